@@ -1,0 +1,124 @@
+"""kvsum's attention functions, registered with transformers' AttentionInterface.
+
+`kvsum_sdpa` and `kvsum_eager` wrap transformers' own sdpa and eager attention. A layer with no
+compressed state is passed straight to the wrapped function, so the uncompressed path is
+transformers' own computation, bit for bit. A layer with a compressed state is attended in one
+softmax over [compressed entries (with their additive biases) | full-precision tail].
+
+The cache layer hands its compressed state to the attention call that follows its `update`
+through a thread-local slot (update and attention of one layer run back to back), and
+`kvsum.compress` captures reference queries through another.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from .errors import KVSumError
+
+_local = threading.local()
+
+
+def hand_over(state) -> None:
+    """Called by a cache layer's update: the next attention call attends over `state` too."""
+    _local.state = state
+
+
+def _take():
+    state = getattr(_local, "state", None)
+    _local.state = None
+    return state
+
+
+class QueryCapture:
+    """Collects, per layer, the post-RoPE queries at chosen prompt positions during a prefill."""
+
+    def __init__(self, positions: Tensor):
+        self.positions = positions
+        self.queries: dict[int, Tensor] = {}
+
+    def add(self, layer_idx: int, query: Tensor) -> None:
+        if query.shape[2] < int(self.positions.max()) + 1:
+            raise KVSumError("query capture needs the whole prompt in one forward pass")
+        self.queries[layer_idx] = query[0, :, self.positions.to(query.device), :].float()
+
+    def __enter__(self):
+        _local.capture = self
+        return self
+
+    def __exit__(self, *exc):
+        _local.capture = None
+
+
+def _eager_of(module):
+    """The model's own eager attention function (each modeling file defines one)."""
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise KVSumError(f"{type(module).__name__} has no eager_attention_forward; use attn='sdpa'")
+    return fn
+
+
+def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                    scaling: float) -> Tensor:
+    """softmax over [state entries | tail] for queries (B=1, Hq, q, d); returns (1, q, Hq, d)."""
+    _, Hq, q_len, d = query.shape
+    H = key.shape[1]
+    G = Hq // H
+    qg = query.float().reshape(1, H, G * q_len, d)
+    s_state = state.scores(qg, scaling)  # (1, H, G*q, N)
+    s_tail = qg @ key.float().transpose(-1, -2) * scaling  # (1, H, G*q, t)
+    if mask is None:
+        if q_len > 1:  # transformers drops the mask only when a plain causal mask over the tail is meant
+            t = key.shape[2]
+            causal = torch.ones(q_len, t, dtype=torch.bool, device=query.device).tril(t - q_len)
+            mask = causal
+    if mask is not None:
+        m = mask[0, 0] if mask.dim() == 4 else mask  # (q, t): one mask for all heads
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
+        s_tail = (s_tail.view(1, H, G, q_len, -1) + m.float()).view(1, H, G * q_len, -1)
+    n = s_state.shape[-1]
+    p = torch.softmax(torch.cat([s_state, s_tail], dim=-1), dim=-1)
+    out = state.mix(p[..., :n]) + p[..., n:] @ value.float()
+    return out.view(1, H * G, q_len, d).transpose(1, 2).to(query.dtype)
+
+
+def _make(base: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        state = _take()
+        capture = getattr(_local, "capture", None)
+        if capture is not None:
+            capture.add(module.layer_idx, query)
+        if state is None:
+            fn = sdpa_attention_forward if base == "sdpa" else _eager_of(module)
+            return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if query.shape[0] != 1:
+            raise KVSumError("compressed caches hold one sequence; got a batch of " f"{query.shape[0]}")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return joint_attention(state, query, key, value, attention_mask, scale), None
+
+    attention.__name__ = f"kvsum_{base}"
+    return attention
+
+
+AttentionInterface.register("kvsum_sdpa", _make("sdpa"))
+AttentionInterface.register("kvsum_eager", _make("eager"))
+AttentionMaskInterface.register("kvsum_sdpa", sdpa_mask)
+AttentionMaskInterface.register("kvsum_eager", eager_mask)
+
+
+def use_kvsum_attention(model) -> None:
+    """Switch a model to kvsum's wrapper of its current attention (sdpa or eager); idempotent."""
+    impl = model.config._attn_implementation
+    if impl.startswith("kvsum_"):
+        return
+    if impl not in ("sdpa", "eager"):
+        raise KVSumError(f"attention implementation {impl!r} is not supported; accepted: 'sdpa', 'eager'")
+    model.set_attn_implementation(f"kvsum_{impl}")

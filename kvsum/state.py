@@ -1,0 +1,88 @@
+"""What a compressed layer holds, and how attention reads it.
+
+A `LayerState` is the compressed part of one layer (one sequence, all KV heads). Attention asks it
+for the scores of the grouped queries against its entries (bias included) and for the values
+weighted by the softmax probabilities; the attention function joins these with the
+full-precision tail in one softmax, so the result is exact for whatever the state holds.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class LayerState(Protocol):
+    """The compressed part of one layer. Implemented by `EntryState` and by methods with their own storage."""
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        """q: (1, H, M, d) fp32 queries grouped by KV head -> (1, H, M, N) logits, -inf where not attendable."""
+
+    def mix(self, p: Tensor) -> Tensor:
+        """p: (1, H, M, N) probabilities -> (1, H, M, d) fp32 weighted values."""
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held."""
+
+    def lengths(self) -> list[int]:
+        """Entries held per KV head."""
+
+
+def tensor_bytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class EntryState:
+    """Entries (key, value, optional additive log-mass bias) per KV head, stored packed.
+
+    Heads may hold different numbers of entries: they are packed one after another into a single
+    (sum of lengths, d) tensor, so nothing is padded and dropped entries take no memory. With equal
+    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths every
+    head's queries are scored against the packed entries and the other heads' entries are masked.
+    """
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], bias: list[Tensor] | None = None,
+                 dtype: torch.dtype = torch.float16):
+        if len(keys) != len(values) or (bias is not None and len(bias) != len(keys)):
+            raise ValueError("keys, values and bias need one entry per KV head")
+        self.H = len(keys)
+        self._lengths = [int(k.shape[0]) for k in keys]
+        self.keys = torch.cat(keys).to(dtype).contiguous()
+        self.values = torch.cat(values).to(dtype).contiguous()
+        self.bias = torch.cat(bias).to(dtype).contiguous() if bias is not None else None
+        self.uniform = len(set(self._lengths)) == 1
+        if not self.uniform:
+            # head index of every packed entry: int8 for <=127 heads, counted in nbytes.
+            idx_dtype = torch.int8 if self.H <= 127 else torch.int16
+            self.head_of = torch.repeat_interleave(
+                torch.arange(self.H, dtype=idx_dtype), torch.tensor(self._lengths)).to(self.keys.device)
+        else:
+            self.head_of = None
+
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values, self.bias, self.head_of)
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        k = self.keys.float()
+        if self.uniform:
+            n = self._lengths[0]
+            s = q @ k.view(1, self.H, n, -1).transpose(-1, -2) * scale
+            if self.bias is not None:
+                s = s + self.bias.float().view(1, self.H, 1, n)
+            return s
+        s = q @ k.t() * scale  # (1, H, M, N): every head against every packed entry
+        if self.bias is not None:
+            s = s + self.bias.float()
+        own = self.head_of.long().view(1, 1, 1, -1) == torch.arange(self.H, device=q.device).view(1, -1, 1, 1)
+        return s.masked_fill(~own, float("-inf"))
+
+    def mix(self, p: Tensor) -> Tensor:
+        v = self.values.float()
+        if self.uniform:
+            return p @ v.view(1, self.H, self._lengths[0], -1)
+        return p @ v  # other heads' probabilities are exactly zero
