@@ -103,7 +103,8 @@ def test_budget_is_met_and_lengths_stay_logical(tiny, ids, method, budget):
     assert cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
     assert cache.nbytes() >= (budget - 0.02) * cache.reference_nbytes  # the budget is used, not wasted
     assert cache.get_seq_length() == ids.shape[1]
-    out = tiny.generate(torch.cat([ids, ids[:, :5]], -1), cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    full_ids = torch.cat([ids, ids[:, :5]], -1)
+    out = tiny.generate(full_ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5 + 6
     assert cache.get_seq_length() == ids.shape[1] + 5 + 5  # the last generated token is not cached yet
     rows = cache.stats()

@@ -1,0 +1,1 @@
+"""Eviction: score every prompt entry, keep the best ones per head under the byte budget, drop the rest."""

@@ -1,0 +1,92 @@
+"""Shared machinery of the eviction family: knob checks, causal attention of the reference queries, the base class.
+
+Every eviction method only says how to score entries (`score` -> (H, T), higher is kept first) and
+which positions it always keeps (`protect`); selection and budget allocation live in allocation.py,
+so any scorer composes with any allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...errors import KVSumError
+from ...state import LayerState
+from ..base import LayerInput, Method
+from .allocation import ALLOCATIONS, pyramid_budgets, select
+
+
+def group_attention(x: LayerInput, h: int, rows: Tensor | None = None) -> Tensor:
+    """Causal softmax attention (G, m, T) of KV head h's query group (reference queries `rows`) over the prompt keys.
+
+    Computed one KV head at a time in float32, so memory is G x n x T per call (about 25 MB at
+    G=3, n=256, T=8192) instead of Hq x n x T for the whole layer.
+    """
+    if x.queries is None or x.query_pos is None:
+        raise KVSumError("this eviction method needs the reference queries (LayerInput.queries)")
+    G = x.queries.shape[0] // x.H
+    q, pos = x.queries[h * G:(h + 1) * G].float(), x.query_pos
+    if rows is not None:
+        q, pos = q[:, rows], pos[rows]
+    logits = q @ x.keys[h].float().T * x.scale
+    hidden = torch.arange(x.T, device=logits.device)[None, :] > pos.to(logits.device)[:, None]  # (m, T)
+    return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+
+
+def time_order(x: LayerInput) -> Tensor:
+    """Rank of every reference query in prompt order (0 = earliest)."""
+    return x.query_pos.argsort().argsort()
+
+
+def pool1d(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
+    """Same-length pooling of (H, T) scores along positions: neighbours of a selected key come along."""
+    if kernel == 1:
+        return scores
+    fn = F.avg_pool1d if mode == "avg" else F.max_pool1d
+    return fn(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
+@dataclass
+class Eviction(Method):
+    """Base of the eviction methods: `allocation` spreads the entries over layers/heads (uniform|pyramid|adaptive)."""
+
+    allocation: str = "uniform"
+
+    def __post_init__(self):
+        if self.allocation not in ALLOCATIONS:
+            raise KVSumError(f"{self.name}: allocation must be one of {', '.join(ALLOCATIONS)}; "
+                             f"got {self.allocation!r}")
+
+    def check_int(self, knob: str, low: int = 0, odd: bool = False) -> None:
+        value = getattr(self, knob)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (odd and value % 2 == 0):
+            kind = "an odd integer" if odd else "an integer"
+            raise KVSumError(f"{self.name}: {knob} must be {kind} >= {low}, got {value!r}")
+
+    def check_fraction(self, knob: str, high_open: bool = False) -> None:
+        """Knob in [0, 1] (or [0, 1) with high_open)."""
+        value = getattr(self, knob)
+        ok = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not ok or not (0 <= value < 1 if high_open else 0 <= value <= 1):
+            raise KVSumError(f"{self.name}: {knob} must be a number in [0, 1{')' if high_open else ']'}, "
+                             f"got {value!r}")
+
+    def score(self, x: LayerInput) -> Tensor:
+        """(H, T) importance of every prompt entry; scores are compared across heads by adaptive allocation."""
+        raise NotImplementedError
+
+    def protect(self, n: int) -> tuple[int, int]:
+        """(first, last): positions always kept when a head holds n entries (sinks, recent window)."""
+        return 0, 0
+
+    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        if self.allocation == "pyramid":
+            return pyramid_budgets(len(inputs), budget)
+        return super().layer_budgets(inputs, budget)
+
+    def compress(self, x: LayerInput) -> LayerState:
+        scores = self.score(x)
+        return x.keep(select(x, scores, self.allocation, self.protect))

@@ -1,0 +1,20 @@
+"""TOVA: keep what the last prompt token attends to; that query sees the whole prompt and is the freshest."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import LayerInput, register
+from .scoring import Eviction, group_attention
+
+
+@register
+@dataclass
+class TOVA(Eviction):
+    name = "tova"
+    summary = "attention of the last query, per KV head (Oren et al., 2024)"
+    needs_queries = True
+
+    def score(self, x: LayerInput):
+        last = x.query_pos.argmax()[None]
+        return torch.stack([group_attention(x, h, last).mean(dim=(0, 1)) for h in range(x.H)])

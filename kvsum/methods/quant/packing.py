@@ -1,0 +1,77 @@
+"""Bit-level storage for quantization states: packed b-bit codes, their byte count, bit widths that fit a budget.
+
+Codes are packed eight at a time into `bits` bytes (8 codes x b bits = b bytes), so any width from 1 to 8
+bits, 3 included, takes exactly b bits per code plus at most b bytes of padding per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...errors import KVSumError
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that `n` codes of `bits` bits take once packed."""
+    return math.ceil(n / 8) * bits
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """Integer codes in [0, 2**bits) of any shape -> flat uint8 tensor of packed_nbytes(codes.numel(), bits)."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    flat = codes.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    planes = (flat.view(-1, 8, 1) >> torch.arange(bits, dtype=torch.uint8, device=flat.device)) & 1  # (G, 8, b)
+    stream = planes.reshape(-1, bits, 8)  # the same 8*b bits, read as b bytes of 8 bits
+    weights = torch.arange(8, dtype=torch.uint8, device=flat.device)
+    return (stream << weights).sum(-1, dtype=torch.uint8).reshape(-1)
+
+
+def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of `pack`: the first `n` codes, as a flat uint8 tensor."""
+    stream = (packed.view(-1, bits, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1  # (G, b, 8)
+    planes = stream.reshape(-1, 8, bits)
+    weights = torch.arange(bits, dtype=torch.uint8, device=packed.device)
+    return (planes << weights).sum(-1, dtype=torch.uint8).reshape(-1)[:n]
+
+
+class Packed:
+    """A tensor of b-bit codes held packed; `codes()` unpacks it to its shape (uint8)."""
+
+    def __init__(self, codes: Tensor, bits: int):
+        self.bits, self.shape = bits, tuple(codes.shape)
+        self.data = pack(codes, bits)
+
+    def codes(self) -> Tensor:
+        return unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def pick_bits(method: str, bits, supported: Sequence, need: Callable[[float], int], budget_bytes: float,
+              full_bytes: float, hint: str = ""):
+    """The configured bit width if it fits the layer's budget, the largest supported one that fits if `bits`
+    is None; otherwise a KVSumError that says what each width needs and which fit."""
+    if bits is not None and bits not in supported:
+        raise KVSumError(f"{method}: bits={bits!r} is not supported; accepted: "
+                         f"{', '.join(map(str, supported))} or None (largest that fits the budget)")
+    fits = [b for b in sorted(supported, reverse=True) if need(b) <= budget_bytes]
+    if bits is None:
+        if fits:
+            return fits[0]
+        low = min(supported)
+        raise KVSumError(f"{method}: no supported bit width fits the budget {budget_bytes / full_bytes:.3f}; "
+                         f"the smallest, bits={low}, needs {need(low) / full_bytes:.3f} of the full cache{hint}")
+    if bits not in fits:
+        which = f"bits that fit: {', '.join(map(str, fits))}" if fits else "no supported bit width fits"
+        raise KVSumError(f"{method}: bits={bits} needs {need(bits) / full_bytes:.3f} of the full cache, more than "
+                         f"the budget {budget_bytes / full_bytes:.3f}; {which} (bits=None picks the largest){hint}")
+    return bits

@@ -1,0 +1,206 @@
+"""Quantization methods: packing, Lloyd-Max codebooks, QJL, KIVI error bounds, byte counts, attention paths."""
+
+import math
+
+import pytest
+import torch
+from scipy import integrate
+
+import kvsum
+from kvsum.methods.base import LayerInput, make_method
+from kvsum.methods.quant.codebook import coordinate_law, lloyd_max
+from kvsum.methods.quant.packing import pack, packed_nbytes, unpack
+from kvsum.methods.quant.turboquant import Coded, gaussian, qjl_encode, qjl_estimate, rotation
+
+from .conftest import tiny_llama
+
+
+def _layer(H=2, T=300, d=16, budget=1.0, seed=0, outlier=True):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(H, T, d, generator=g)
+    if outlier:
+        keys[:, :, 3] = keys[:, :, 3] * 8 + 5  # a fixed outlier channel, as real keys have
+    values = torch.randn(H, T, d, generator=g)
+    full = 2 * H * T * d * 2
+    return LayerInput(keys, values, None, None, d ** -0.5, 0, 1, budget * full, torch.float16)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_round_trip(bits):
+    n = 3 * 7 * 5  # not a multiple of 8: exercises the padding
+    codes = torch.randint(0, 2 ** bits, (3, 7, 5), generator=torch.Generator().manual_seed(bits))
+    codes[0, 0, 0] = 2 ** bits - 1
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits) == math.ceil(n / 8) * bits
+    assert torch.equal(unpack(packed, bits, n).view(3, 7, 5).long(), codes)
+
+
+def test_codebook_levels_match_lloyd_max_for_the_beta_law():
+    d = 128
+    levels = torch.tensor(lloyd_max(2, d)) * math.sqrt(d)
+    assert torch.allclose(levels, torch.tensor([-1.51, -0.453, 0.453, 1.51]), rtol=0.01)
+    # Lloyd's centroid condition, checked independently by quadrature of the density.
+    law, lv = coordinate_law(64), lloyd_max(3, 64)
+    edges = [-1.0] + [(a + b) / 2 for a, b in zip(lv, lv[1:])] + [1.0]
+    for level, lo, hi in zip(lv, edges, edges[1:]):
+        mass = integrate.quad(law.pdf, lo, hi)[0]
+        mean = integrate.quad(lambda x: x * law.pdf(x), lo, hi)[0] / mass
+        assert mean == pytest.approx(level, rel=1e-6)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
+def test_mse_distortion_within_published_bound(bits):
+    d, n = 64, 4000
+    u = torch.randn(n, d, generator=torch.Generator().manual_seed(7))
+    u = u / u.norm(dim=-1, keepdim=True)
+    R = rotation(d, seed=3).float()
+    x_hat = Coded((u @ R.t())[None], bits).lookup()[0] @ R
+    mse = (u - x_hat).pow(2).sum(-1).mean().item()
+    assert 4.0 ** -bits < mse <= math.sqrt(3) * math.pi / 2 * 4.0 ** -bits
+
+
+def test_qjl_estimate_is_unbiased_within_its_variance():
+    d, draws = 64, 3000
+    g = torch.Generator().manual_seed(0)
+    q, r = torch.randn(1, d, generator=g), torch.randn(1, d, generator=g) * 0.3
+    est = torch.empty(draws)
+    for i in range(draws):
+        S = gaussian(d, 1000 + i).float()
+        signs, r_norm = qjl_encode(r, S)
+        est[i] = qjl_estimate(q, signs, r_norm, S)[0, 0]
+    true = (q @ r.t()).item()
+    qn, rn = q.norm().item(), r.norm().item()
+    var_exact = (math.pi / 2 * qn ** 2 * rn ** 2 - true ** 2) / d
+    assert abs(est.mean().item() - true) < 4 * math.sqrt(var_exact / draws)
+    assert est.var().item() <= 1.1 * math.pi / (2 * d) * qn ** 2 * rn ** 2  # the published bound
+    assert est.var().item() == pytest.approx(var_exact, rel=0.15)
+
+
+def test_qjl_makes_turboquant_logits_unbiased():
+    x = _layer(H=1, T=6, d=16, budget=10.0, outlier=False)  # rotation and S dwarf 6 tokens
+    q = torch.randn(1, 1, 4, 16, generator=torch.Generator().manual_seed(5))
+    exact = q @ x.keys.transpose(-1, -2)
+    err = {}
+    for qjl, bits in [(True, 2), (False, 1)]:
+        est = torch.stack([make_method("turboquant", bits=bits, qjl=qjl, seed=s).compress(x).scores(q, 1.0)
+                           for s in range(400)])
+        err[qjl] = (est.mean(0) - exact, est.std(0) / math.sqrt(len(est)))
+    mean, se = err[True]
+    assert (mean.abs() < 4.5 * se).all()
+    mean, se = err[False]  # the MSE quantizer alone shrinks inner products (by about 2/pi at 1 bit)
+    assert (mean.abs() > 4.5 * se).any()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_error_within_half_a_scale(bits):
+    x = _layer(T=300)
+    # groups whose range is below fp16 resolution at their magnitude: a near-constant key channel, a value token
+    x.keys[:, :, 5] = 5 + 1e-4 * x.keys[:, :, 5]
+    x.values[:, 10] = -3 + 1e-4 * x.values[:, 10]
+    s = make_method("kivi", bits=bits, group=8, residual=128).compress(x)
+    n_q, H, d = s.n_q, x.H, x.d
+    assert n_q == 168  # (300 - 128) // 8 * 8
+    k_err = (s.keys()[:, :n_q] - x.keys[:, :n_q]).view(H, n_q // 8, 8, d).abs()
+    assert (k_err <= s.k_scale.float() / 2 + 1e-5).all()
+    v_err = (s.values()[:, :n_q] - x.values[:, :n_q]).view(H, n_q, d // 8, 8).abs()
+    assert (v_err <= s.v_scale.float() / 2 + 1e-5).all()
+    assert k_err.max() > s.k_scale.float().min() / 8  # it does quantize
+    assert torch.equal(s.keys()[:, n_q:], x.keys[:, n_q:].half().float())
+    # keys are grouped per channel: the outlier channel has its own, larger scale
+    assert s.k_scale[..., 3].float().mean() > 4 * s.k_scale[..., :3].float().mean()
+
+
+def test_nbytes_is_the_analytic_count():
+    H, T, d = 2, 300, 16
+    x = _layer(H, T, d)
+    tokens = H * T
+    # turboquant 3.5 bits: half the channels at 4 bits, half at 3, for K and V; fp16 norms and rotation;
+    # fp32 codebooks; uint8 outlier channel indices per head.
+    per = tokens * (d // 2) * 4 / 8 + tokens * (d // 2) * 3 / 8 + 4 * (16 + 8) + H * d
+    assert make_method("turboquant", bits=3.5).compress(x).nbytes() == 2 * per + 2 * tokens * 2 + d * d * 2
+    # with qjl at 2.5 bits, keys: 1.5-bit MSE codes + sign bits + fp16 |r| + fp16 S
+    keys = tokens * (d // 2) * (2 + 1) / 8 + 4 * (4 + 2) + H * d + tokens * d / 8 + tokens * 2 + d * d * 2
+    vals = tokens * (d // 2) * (3 + 2) / 8 + 4 * (8 + 4) + H * d
+    state = make_method("turboquant", bits=2.5, qjl=True).compress(x)
+    assert state.nbytes() == keys + vals + 2 * tokens * 2 + d * d * 2
+    # kivi: codes, fp16 scale + min per (32 tokens, channel) for keys and per (token, 16 channels) for values,
+    # fp16 residual of T - n_q tokens
+    n_q = (T - 128) // 32 * 32
+    for bits in (2, 4):
+        want = 2 * H * n_q * d * bits / 8 + 4 * H * (n_q // 32) * d + 4 * H * n_q * (d // 16) + 4 * H * (T - n_q) * d
+        assert make_method("kivi", bits=bits).compress(x).nbytes() == want
+
+
+def test_budget_picks_or_refuses_bits():
+    x = _layer(budget=0.31)  # 3.5 bits take 0.301 at head dim 16 (norms and rotation included), 4 bits 0.329
+    with pytest.raises(kvsum.KVSumError, match=r"bits=4 needs 0\.329 .* bits that fit: 3\.5, 3, 2\.5, 2, 1"):
+        make_method("turboquant", bits=4).compress(x)
+    assert make_method("turboquant").compress(x).bits == 3.5
+    assert make_method("turboquant", qjl=True).compress(x).bits == 3  # |r| and S cost the other half bit
+    with pytest.raises(kvsum.KVSumError, match="not supported"):
+        make_method("turboquant", bits=5).compress(x)
+    with pytest.raises(kvsum.KVSumError, match="no supported bit width fits"):
+        make_method("turboquant").compress(_layer(budget=0.05))
+    with pytest.raises(kvsum.KVSumError, match="kivi: bits=4 needs .* 140 of 300 tokens stay in full precision"):
+        make_method("kivi", bits=4).compress(_layer(budget=0.6))
+    assert make_method("kivi").compress(_layer(budget=0.6)).bits == 2
+
+
+def _teacher_forced(model, cache, cont):
+    with torch.no_grad():
+        return model(cont, past_key_values=cache).logits[0].float()
+
+
+@pytest.mark.parametrize("knobs", [dict(bits=3.5), dict(bits=2.5, qjl=True)])
+def test_rotated_and_dequant_paths_agree(tiny, ids, knobs):
+    cont = ids[:, :12]
+    out = {}
+    for path in ("rotated", "dequant"):
+        cache = kvsum.compress(tiny, ids, method="turboquant", budget=1.0, path=path, **knobs)
+        out[path] = _teacher_forced(tiny, cache, cont)
+        state = cache.layers[0].state
+    q = torch.randn(1, 2, 5, 16)
+    logits = state.scores(q, 0.25)
+    state.path = "rotated"
+    assert torch.allclose(state.scores(q, 0.25), logits, atol=1e-4)
+    assert torch.allclose(out["rotated"], out["dequant"], atol=1e-4)
+
+
+def _kl(ref, other):
+    return torch.nn.functional.kl_div(other.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                      reduction="batchmean").item()
+
+
+@pytest.mark.parametrize("method,budget", [("turboquant", 0.35), ("kivi", 0.7)])
+def test_compress_and_generate_at_4_and_2_bits(method, budget):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    ctx, cont = ids[:, :360], ids[:, 360:]
+    full = _teacher_forced(model, kvsum.compress(model, ctx, method="full"), cont)
+    kl = {}
+    for bits in (4, 2):
+        cache = kvsum.compress(model, ctx, method=method, budget=budget, bits=bits)
+        assert cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
+        assert all(n == 360 for n in cache.layers[0].lengths())
+        kl[bits] = _kl(full, _teacher_forced(model, cache, cont))
+        cache = kvsum.compress(model, ctx, method=method, budget=budget, bits=bits)
+        out = model.generate(ids[:, :362], cache=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        assert out.shape == (1, 367) and cache.get_seq_length() == 366
+    assert 0 < kl[4] < kl[2]
+
+
+@pytest.mark.model
+def test_quantized_smollm2_tracks_the_full_cache(smollm2):
+    from pydoc_data.topics import topics
+
+    model, tok = smollm2
+    ids = tok(topics["assignment"], return_tensors="pt").input_ids[:, :448]
+    ctx, cont = ids[:, :384], ids[:, 384:]
+    pre = kvsum.prefill(model, ctx)
+    full = _teacher_forced(model, kvsum.compress_prefill(pre, make_method("full"), 1.0), cont)
+    kl = {}
+    for name, bits in [("turboquant", 4), ("turboquant", 2), ("kivi", 4)]:
+        cache = kvsum.compress_prefill(pre, make_method(name, bits=bits), 1.0)
+        kl[name, bits] = _kl(full, _teacher_forced(model, cache, cont))
+    assert kl["turboquant", 4] < 0.05 and kl["kivi", 4] < 0.05
+    assert kl["turboquant", 4] < kl["turboquant", 2]
