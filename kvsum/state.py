@@ -86,3 +86,24 @@ class EntryState:
         if self.uniform:
             return p @ v.view(1, self.H, self._lengths[0], -1)
         return p @ v  # other heads' probabilities are exactly zero
+
+
+class ConcatState:
+    """Several states attended as one: their entries side by side in the same softmax."""
+
+    def __init__(self, parts: list):
+        self.parts = [p for p in parts if p is not None]
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        s = [p.scores(q, scale) for p in self.parts]
+        self._sizes = [x.shape[-1] for x in s]
+        return torch.cat(s, dim=-1)
+
+    def mix(self, p: Tensor) -> Tensor:
+        return sum(part.mix(chunk) for part, chunk in zip(self.parts, p.split(self._sizes, dim=-1)))
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def lengths(self) -> list[int]:
+        return [sum(n) for n in zip(*(p.lengths() for p in self.parts))]

@@ -30,6 +30,7 @@ class LayerInput:
     n_layers: int
     budget_bytes: float  # what this layer may hold
     storage: torch.dtype  # dtype of stored entries
+    surprisal: Tensor | None = None  # (T,) -log p(token | prefix), +inf at position 0
 
     @property
     def H(self) -> int:

@@ -1,0 +1,91 @@
+"""What compression costs on this machine, as ratios measured in one run.
+
+For each method at one context length: compression time over plain prefill time (the prefill that
+captures reference queries and token surprisal, plus compress_prefill, minus a plain prefill), and
+the decode-step time with the compressed cache over the full cache. Writes
+benchmarks/results/cost.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvsum
+from kvsum.eval.report import meta
+from kvsum.eval.tasks import get_task
+from kvsum.methods.base import make_method
+
+
+def _timed(fn, repeat: int = 1):
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return out, best
+
+
+@torch.no_grad()
+def decode_step(model, cache, token, steps: int) -> float:
+    """Median seconds per one-token forward on top of `cache` (the cache grows as it would in generate)."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        model(token, cache=cache)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--methods", nargs="+", default=["summary", "hae", "streaming_llm", "snapkv", "restkv"])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = kvsum.load_model(args.model)
+    ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
+    ctx, token = ex.context_ids, ex.question_ids[:, :1]
+    kvsum.prefill(model, ctx[:, :256], surprisal=False)  # warm-up
+    _, plain = _timed(lambda: kvsum.prefill(model, ctx, surprisal=False), repeat=2)
+    pre, full_prefill = _timed(lambda: kvsum.prefill(model, ctx), repeat=1)
+    full_step = decode_step(model, kvsum.compress_prefill(pre, make_method("full"), 1.0), token, args.steps)
+    rows = []
+    for name in args.methods:
+        cache, t_compress = _timed(lambda n=name: kvsum.compress_prefill(pre, make_method(n), args.budget))
+        extra = max(full_prefill - plain, 0.0) if name == "summary" else 0.0  # only summary reads surprisal
+        step = decode_step(model, cache, token, args.steps)
+        ratio = cache.nbytes() / cache.reference_nbytes
+        rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,
+                         compress_s=t_compress, capture_s=extra, prefill_s=plain,
+                         compress_over_prefill=(t_compress + extra) / plain, decode_step_s=step,
+                         full_decode_step_s=full_step, decode_over_full=step / full_step))
+        print(rows[-1], flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
+    out.with_suffix(".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+    lines = [f"# Cost at {args.length} tokens, budget {args.budget} ({info['date']}, {args.threads} threads)", "",
+             f"Plain prefill: {plain:.2f} s; prefill with query capture and surprisal: {full_prefill:.2f} s; "
+             f"full-cache decode step: {full_step * 1000:.1f} ms.", "",
+             "| method | bytes ratio | compress s | capture s | (compress + capture) / prefill | decode step ms |"
+             " decode / full |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['ratio']:.3f} | {r['compress_s']:.2f} | {r['capture_s']:.2f} | "
+              f"{r['compress_over_prefill']:.3f} | {r['decode_step_s'] * 1000:.1f} | {r['decode_over_full']:.3f} |"
+              for r in rows]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The `kvsum` command line: argument parsing and printing only; the work is in the public API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import KVSumError
+
+
+def _budgets(text: str) -> list[float]:
+    from .budget import check_budget
+
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise KVSumError(f"--budget must be comma-separated numbers in (0, 1], got {text!r}") from None
+    return [check_budget(v) for v in values]
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise KVSumError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise KVSumError(f"{name} must be positive, got {text!r}")
+    return values
+
+
+def cmd_methods(args) -> None:
+    import kvsum
+
+    for name, line in kvsum.methods().items():
+        print(f"{name:20s} {line}")
+
+
+def cmd_demo(args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .demo import run_demo
+
+    console = Console()
+    with console.status("loading the bundled model (the first run converts it once, ~30 s)"):
+        import kvsum
+
+        model, tok = kvsum.load_model(args.model)
+    result = run_demo(model, tok, method=args.method, budget=args.budget, tokens=args.tokens, console=console)
+    table = Table(title=f"kvsum demo: {result['tokens']} tokens, method {result['method']} at budget {args.budget}")
+    table.add_column("")
+    table.add_column(f"full cache ({str(model.dtype).removeprefix('torch.')})", justify="right")
+    table.add_column(f"{result['method']}", justify="right")
+    table.add_row("full cache at 16 bits", f"{result['full16_bytes'] / 2**20:.2f} MiB", "")
+    table.add_row("bytes held", f"{result['full_bytes'] / 2**20:.2f} MiB",
+                  f"{result['bytes'] / 2**20:.2f} MiB ({result['bytes'] / result['full16_bytes']:.3f} of fp16)")
+    table.add_row("prefill / compress time", f"{result['prefill_s']:.2f} s", f"+{result['compress_s']:.2f} s")
+    for qa in result["answers"]:
+        table.add_row(f"{qa['cue']!r} (expect {qa['expected']})", qa["full"], qa["compressed"])
+    table.add_row("answer time (all questions)", f"{result['full_answer_s']:.2f} s", f"{result['answer_s']:.2f} s")
+    console.print(table)
+
+
+def cmd_eval(args) -> None:
+    import kvsum
+    from kvsum.eval.runner import run, write
+
+    methods = [m.strip() for m in args.method.split(",")]
+    for m in methods:
+        if m not in kvsum.methods():
+            raise KVSumError(f"unknown method {m!r}; accepted: {', '.join(kvsum.methods())}")
+    budgets = _budgets(args.budget)
+    lengths = _ints(args.lengths, "--lengths")
+    model, tok = kvsum.load_model(args.model)
+    limit = model.config.max_position_embeddings
+    if max(lengths) > limit:
+        raise KVSumError(f"--lengths {max(lengths)} is longer than the model's window ({limit})")
+    t = time.time()
+    rows = run(model, tok, args.task, methods, budgets, lengths, args.n, seed=args.seed, progress=True)
+    stem = args.out or f"benchmarks/results/eval_{args.task}"
+    js, md = write(rows, stem, model=args.model, command="kvsum " + " ".join(sys.argv[1:]))
+    print(md.read_text())
+    print(f"wrote {js} and {md} in {time.time() - t:.0f} s")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvsum", description="Compress the KV cache of transformers models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("methods", help="list the compression methods").set_defaults(fn=cmd_methods)
+    d = sub.add_parser("demo", help="compress a long document on the bundled model and answer questions")
+    d.add_argument("--model", default="smollm2")
+    d.add_argument("--method", default=None, help="default: the best method available")
+    d.add_argument("--budget", type=float, default=0.25)
+    d.add_argument("--tokens", type=int, default=2000, help="document length in tokens")
+    d.set_defaults(fn=cmd_demo)
+    e = sub.add_parser("eval", help="evaluate methods on a task; writes JSON and a markdown table")
+    e.add_argument("--model", default="smollm2")
+    e.add_argument("--method", required=True, help="one or more methods, comma-separated")
+    e.add_argument("--budget", default="0.5,0.25,0.125", help="comma-separated fractions in (0, 1]")
+    e.add_argument("--task", default="passkey", choices=["passkey", "multikey", "lm"])
+    e.add_argument("--lengths", default="2000", help="context lengths in tokens, comma-separated")
+    e.add_argument("--n", type=int, default=10, help="examples per length")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", default=None, help="output stem (default benchmarks/results/eval_<task>)")
+    e.set_defaults(fn=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # argparse already printed one usage line; keep its exit code 2
+        return int(e.code or 0)
+    try:
+        if getattr(args, "budget", None) is not None and isinstance(args.budget, float):
+            from .budget import check_budget
+
+            check_budget(args.budget)
+        args.fn(args)
+    except KVSumError as e:
+        print(f"kvsum: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

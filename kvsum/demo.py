@@ -1,0 +1,63 @@
+"""`kvsum demo`: a long real document with a few facts in it, compressed, then asked about them.
+
+The document is compressed before any question is seen (the query-agnostic setting a server meets);
+every question is then answered once from the full cache and once from the compressed one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from .compress import compress_prefill, prefill
+from .eval.tasks import _tensor, _with_needles
+from .eval.text import SEP, encode
+from .methods import REGISTRY, make_method
+
+DEFAULT_METHOD = "summary"
+
+
+def _document(tok, tokens: int, seed: int = 7):
+    rng = random.Random(seed)
+    key, code_a, code_b = (str(rng.randint(10000, 99999)) for _ in range(3))
+    facts = [(0.3, f"The pass key is {key}. Remember it. {key} is the pass key."),
+             (0.6, f"The special code for the lantern is {code_a}."),
+             (0.85, f"The special code for the falcon is {code_b}.")]
+    ids, _ = _with_needles(tok, tokens, seed, facts)
+    cues = [("The pass key is", key), ("The special code for the lantern is", code_a),
+            ("The special code for the falcon is", code_b)]
+    return _tensor(ids), cues
+
+
+def _answer(model, tok, pre, method, budget, ctx, cue):
+    q = _tensor(encode(tok, SEP + cue))
+    cache = compress_prefill(pre, method, budget)
+    held = cache.nbytes()
+    out = model.generate(torch.cat([ctx, q], -1), cache=cache, max_new_tokens=8, do_sample=False)
+    return tok.decode(out[0, ctx.shape[1] + q.shape[1]:], skip_special_tokens=True).strip(), held
+
+
+def run_demo(model, tok, method: str | None = None, budget: float = 0.25, tokens: int = 2000, console=None) -> dict:
+    method = method or (DEFAULT_METHOD if DEFAULT_METHOD in REGISTRY else "streaming_llm")
+    m, full = make_method(method), make_method("full")
+    ctx, cues = _document(tok, tokens)
+    t = time.perf_counter()
+    pre = prefill(model, ctx)
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    compress_prefill(pre, m, budget)
+    compress_s = time.perf_counter() - t
+    answers, times = [], {"full": 0.0, "compressed": 0.0}
+    for cue, expected in cues:
+        row = {"cue": cue, "expected": expected}
+        for label, mm, b in (("full", full, 1.0), ("compressed", m, budget)):
+            t = time.perf_counter()
+            row[label], held = _answer(model, tok, pre, mm, b, ctx, cue)
+            times[label] += time.perf_counter() - t
+            row[label + "_bytes"] = held
+        answers.append(row)
+    return dict(method=method, tokens=ctx.shape[1], full16_bytes=pre.cache.reference_nbytes,
+                full_bytes=answers[0]["full_bytes"], bytes=answers[0]["compressed_bytes"], prefill_s=prefill_s,
+                compress_s=compress_s, answers=answers, full_answer_s=times["full"], answer_s=times["compressed"])

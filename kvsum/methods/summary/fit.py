@@ -1,0 +1,114 @@
+"""Shared numerics for summarization: causal reference attention, entropy, mass and value fits.
+
+Everything here runs in float32 on one KV head at a time, whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_queries(x, h: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
+    """Reference queries of KV head h (all query heads of its group stacked) and their positions,
+    evenly thinned to at most `limit` rows."""
+    G = x.queries.shape[0] // x.H
+    q, pos = x.queries[h * G:(h + 1) * G].reshape(-1, x.d), x.query_pos.repeat(G)
+    if limit is not None and q.shape[0] > limit:
+        keep = torch.linspace(0, q.shape[0] - 1, limit).round().long().to(q.device)
+        q, pos = q[keep], pos[keep]
+    return q, pos
+
+
+def causal_logits(q: Tensor, pos: Tensor, keys: Tensor, scale: float, key_pos: Tensor | None = None) -> Tensor:
+    """(n, m) scaled logits; a query at position p sees keys at positions <= p only.
+
+    `key_pos` gives the keys' positions (default 0..m-1)."""
+    logits = q @ keys.t() * scale
+    if key_pos is None:
+        key_pos = torch.arange(keys.shape[0], device=keys.device)
+    if bool((pos < key_pos.max()).any()):  # window queries see every key: skip the mask for them
+        logits.masked_fill_(key_pos[None, :] > pos[:, None], float("-inf"))
+    return logits
+
+
+def normalized_entropy(p: Tensor, pos: Tensor) -> Tensor:
+    """Entropy of each attention row over log(number of visible keys): 0 = one key, 1 = uniform."""
+    ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+    return ent / torch.log((pos + 1).clamp_min(2).float())
+
+
+def head_diffuseness(x) -> Tensor:
+    """(H,) mean normalized entropy of each KV head's reference attention."""
+    out = []
+    for h in range(x.H):
+        q, pos = group_queries(x, h)
+        p = torch.softmax(causal_logits(q, pos, x.keys[h], x.scale), -1)
+        out.append(normalized_entropy(p, pos).mean())
+    return torch.stack(out)
+
+
+def split_by_weight(total: int, weights: Tensor, floor: int, cap: int) -> list[int]:
+    """Integers proportional to `weights`, each in [floor, cap], summing to at most `total`."""
+    w = weights.clamp_min(1e-6)
+    n = (w / w.sum() * total).floor().long().clamp(floor, cap)
+    while n.sum() > total and (n > floor).any():  # rounding and floors may overshoot
+        i = int(torch.where(n > floor, n, -1).argmax())
+        n[i] -= 1
+    return [int(v) for v in n]
+
+
+def fit_chunk_summaries(logits: Tensor, q: Tensor, scale: float, keys: Tensor, values: Tensor, chunk: Tensor,
+                        n_chunks: int, key_mode: str = "max", ridge: float = 1.0, refit: bool = True
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """One summary entry (key, log-mass bias, value) per chunk of consecutive dropped tokens.
+
+    logits: (n, m) causal reference logits against the m dropped tokens, q: (n, d) the references,
+    keys/values: (m, d), chunk: (m,) chunk id in [0, n_chunks).
+    The bias solves the 1-D non-negative least squares  min_w sum_q s_q (w e_q / Z_q - 1)^2  (relative mass
+    error, weighted by the chunk's attention share s_q), so the entry carries the chunk's mass Z for the
+    references. The value is the ridge least-squares fit of the chunk's attention outputs over the
+    references; with one entry per chunk it reduces to the mass-weighted mean of the chunk's values,
+    pulled towards the representative's own value by `ridge` (in units of received attention).
+    """
+    n = logits.shape[0]
+    d = values.shape[1]
+    dev = logits.device
+    row_max = logits.max(-1, keepdim=True).values.clamp_min(-1e30)
+    e = torch.exp(logits - row_max)  # a per-query scale that cancels in every ratio below
+    Z = torch.zeros(n, n_chunks, device=dev).index_add_(1, chunk, e)  # (n, C) chunk masses
+    share_tok = e / Z.sum(-1, keepdim=True).clamp_min(1e-30)
+    mass = share_tok.sum(0)  # (m,) attention each dropped token receives over the references
+    # representative of each chunk: its most attended token (ties and unseen chunks: the last one)
+    order = torch.argsort(chunk.double() * (float(mass.max()) + 1.0) + mass.double())
+    rep = torch.zeros(n_chunks, dtype=torch.long, device=dev).scatter_(0, chunk[order], order)
+    wsum = torch.zeros(n_chunks, device=dev).index_add_(0, chunk, mass)
+    if key_mode == "mean":
+        w_tok = mass + 1e-12
+        ck = torch.zeros(n_chunks, d, device=dev).index_add_(0, chunk, keys * w_tok[:, None])
+        ck = ck / torch.zeros(n_chunks, device=dev).index_add_(0, chunk, w_tok)[:, None]
+    else:
+        ck = keys[rep]
+    if not refit:  # ablation: the representative as it is, no bias and no value fit
+        return ck, torch.zeros(n_chunks, device=dev), values[rep]
+    e_rep = torch.exp(q @ ck.t() * scale - row_max)  # (n, C)
+    seen = Z > 0
+    a = torch.where(seen, e_rep / Z.clamp_min(1e-30), torch.zeros_like(e_rep))
+    s = Z / Z.sum(-1, keepdim=True).clamp_min(1e-30)
+    w = (s * a).sum(0) / (s * a * a).sum(0).clamp_min(1e-30)
+    size = chunk.bincount(minlength=n_chunks).float()
+    w = torch.where(seen.any(0) & torch.isfinite(w), w, size)  # no reference saw the chunk: count its tokens
+    bias = torch.log(w.clamp(1e-6, 1e6))
+    num = torch.zeros(n_chunks, d, device=dev).index_add_(0, chunk, values * mass[:, None])
+    cv = (num + ridge * values[rep]) / (wsum + ridge)[:, None]
+    return ck, bias, cv
+
+
+def lowrank_factors(x: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
+    """x (m, d) ~ mean + coef @ basis^T with an orthonormal basis (d, rank): truncated SVD, float32."""
+    mean = x.mean(0)
+    if rank <= 0 or x.shape[0] == 0:
+        return mean, x.new_zeros(x.shape[0], 0), x.new_zeros(x.shape[1], 0)
+    _, _, vh = torch.linalg.svd(x - mean, full_matrices=False)
+    basis = vh[:rank].t().contiguous()
+    return mean, (x - mean) @ basis, basis

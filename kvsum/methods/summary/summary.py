@@ -1,0 +1,166 @@
+"""`summary`: entropy-guided anchors, fitted summary entries and a low-rank tier, per KV head.
+
+Per head the byte budget is split by a fixed, explainable rule:
+  - anchors (`anchor_share` of the bytes): exact entries; the attention sinks, the recent window and the
+    tokens of highest entropy-weighted attention mass (mass received from sharp reference rows);
+  - low-rank tier (`lowrank_share`): the next most important tokens, kept as rank-r coefficients on the
+    head's own SVD bases, r as large as the share allows (up to `max_rank`);
+  - summaries (the rest): the remaining tokens, in position order, are cut into chunks of consecutive
+    tokens, each replaced by one entry (key, log-mass bias, value) fitted so that it reproduces the chunk's
+    attention mass (NNLS) and output (ridge least squares) over the reference queries.
+With entropy allocation on, diffuse heads and layers (high attention entropy) get more of the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import KVSumError
+from ...state import ConcatState, EntryState
+from ..base import LayerInput, Method, register
+from .fit import (
+    causal_logits,
+    fit_chunk_summaries,
+    group_queries,
+    head_diffuseness,
+    normalized_entropy,
+    split_by_weight,
+)
+from .lowrank import LowRankState
+
+SCORES = ("hybrid", "surprisal", "sharp_mass", "max", "mass")
+
+
+@register
+@dataclass
+class Summary(Method):
+    name = "summary"
+    summary = "entropy-guided anchors + least-squares summaries + low-rank tier (the flagship)"
+    needs_queries = True
+    sinks: int = 4
+    window: int = 32
+    anchor_share: float = 0.5
+    lowrank_share: float = 0.0
+    max_rank: int = 16
+    entropy_allocation: bool = True
+    refit: bool = True  # fit biases and values; off = representatives as they are
+    key_mode: str = "max"  # summary key: "max" (most attended real key) or "mean" (mass-weighted mean)
+    ridge: float = 1.0
+    score: str = "surprisal"  # anchor score: "surprisal", or from attention: "sharp_mass", "max", "mass"
+    max_refs: int = 384  # reference query rows per KV head used by the fits
+    span: int = 9  # average the token score over a span of neighbours: facts are spans of tokens
+
+    def __post_init__(self):
+        for knob in ("anchor_share", "lowrank_share"):
+            if not 0 <= getattr(self, knob) <= 1:
+                raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
+        if self.anchor_share + self.lowrank_share > 1:
+            raise KVSumError("anchor_share + lowrank_share must be at most 1")
+        if self.score not in SCORES:
+            raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.key_mode not in ("max", "mean"):
+            raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
+
+    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        if not self.entropy_allocation:
+            self._diffuse = None
+            return [budget] * len(inputs)
+        self._diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
+        weight = torch.stack([self._diffuse[x.layer_idx].mean() for x in inputs])
+        # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
+        w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
+        f = (budget * w / w.mean()).clamp(max=1.0)
+        return [float(v) for v in f * (budget * len(inputs) / f.sum()).clamp(max=1.0)]
+
+    def compress(self, x: LayerInput):
+        if x.queries is None:
+            raise KVSumError("summary needs reference queries (use kvsum.compress, which captures them)")
+        elem = torch.empty(0, dtype=x.storage).element_size()
+        head_bytes = x.budget_bytes / x.H
+        if self.entropy_allocation and getattr(self, "_diffuse", None) is not None:
+            diff = self._diffuse.get(x.layer_idx)
+            per_head = split_by_weight(int(x.budget_bytes), 0.5 + diff, 0, int(x.budget_bytes))
+        else:
+            per_head = [int(head_bytes)] * x.H
+        heads = [self._head(x, h, per_head[h], elem) for h in range(x.H)]
+        entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in heads],
+                             [torch.cat([a[1], s[2]]) for a, s, _ in heads],
+                             [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]]) for a, s, _ in heads],
+                             dtype=x.storage)
+        lowrank = [lr for _, _, lr in heads]
+        if any(len(k) for k, _, _ in lowrank):
+            return ConcatState([entries, LowRankState(lowrank, x.storage)])
+        return entries
+
+    def _importance(self, x: LayerInput, q, pos, h: int):
+        """Anchor score per token: surprisal averaged over a span, or a statistic of reference attention.
+
+        "hybrid" interleaves two rankings: attention of the observation window (what the next tokens
+        read) and surprisal spans (information the model cannot rebuild from context)."""
+        if self.score == "hybrid":
+            win = pos >= x.T - 64
+            p = torch.softmax(causal_logits(q[win], pos[win], x.keys[h], x.scale), -1).mean(0)
+            p = torch.nn.functional.avg_pool1d(p[None, None], 5, 1, 2, count_include_pad=False)[0, 0, :x.T]
+            a = torch.empty(x.T, device=p.device)
+            a[torch.argsort(p, descending=True)] = torch.arange(x.T, device=p.device, dtype=a.dtype)
+            b = torch.empty_like(a)
+            b[torch.argsort(self._surprisal(x), descending=True)] = torch.arange(x.T, device=p.device, dtype=a.dtype)
+            return -torch.minimum(a, b)  # a token is kept as soon as either ranking wants it
+        if self.score == "surprisal":
+            return self._surprisal(x)
+        p = torch.softmax(causal_logits(q, pos, x.keys[h], x.scale), -1)
+        if self.score == "max":
+            return p.max(0).values
+        if self.score == "mass":
+            return p.sum(0)
+        return ((1 - normalized_entropy(p, pos))[:, None] * p).sum(0)
+
+    def _surprisal(self, x: LayerInput):
+        """Token surprisal averaged over a span of `span` neighbours (facts are spans)."""
+        if x.surprisal is None:
+            raise KVSumError(f"score={self.score!r} needs the prefill's token surprisal (kvsum.prefill computes it)")
+        s = x.surprisal.clone()
+        s[0] = s[1:].max() if x.T > 1 else 0.0
+        if self.span > 1:
+            s = torch.nn.functional.avg_pool1d(s[None, None], self.span, 1, self.span // 2,
+                                               count_include_pad=False)[0, 0, :x.T]
+        return s
+
+    def _head(self, x: LayerInput, h: int, budget: int, elem: int):
+        T, d = x.T, x.d
+        entry = (2 * d + 1) * elem  # key + value + the bias slot every packed entry carries
+        q, pos = group_queries(x, h, self.max_refs)
+        importance = self._importance(x, q, pos, h)
+        # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
+        n_anchor = min(T, int(budget * self.anchor_share) // entry)
+        lr_bytes = int(budget * self.lowrank_share)
+        forced = torch.cat([torch.arange(min(self.sinks, T)), torch.arange(max(T - self.window, 0), T)]).unique()
+        importance[forced.to(importance.device)] = float("inf")
+        order = torch.argsort(importance, descending=True)
+        n_anchor = max(n_anchor, 0)
+        anchor_idx = order[:n_anchor].sort().values
+        rest = order[n_anchor:]
+        # low-rank tier: the next most important tokens, rank as large as the share allows
+        rank, n_lr = 0, 0
+        if lr_bytes > 0 and len(rest):
+            for r in range(min(self.max_rank, d), 0, -1):
+                m = (lr_bytes // (2 * elem) - d - d * r) // r
+                if m > 0:
+                    rank, n_lr = r, min(int(m), len(rest))
+                    break
+        lr_idx = rest[:n_lr].sort().values
+        drop = rest[n_lr:].sort().values
+        spent = n_anchor * entry + (LowRankState.bytes_for(n_lr, rank, d, elem) if n_lr else 0)
+        n_sum = max(0, min(len(drop), (budget - spent) // entry))
+        keys, values = x.keys[h], x.values[h]
+        if n_sum == 0 or len(drop) == 0:
+            empty = keys[:0]
+            summ = (empty, empty[:, 0], empty)
+        else:
+            chunk = (torch.arange(len(drop), device=keys.device) * n_sum // len(drop))
+            logits = causal_logits(q, pos, keys[drop], x.scale, key_pos=drop)
+            summ = fit_chunk_summaries(logits, q, x.scale, keys[drop], values[drop], chunk, n_sum,
+                                       self.key_mode, self.ridge, self.refit)
+        return (keys[anchor_idx], values[anchor_idx]), summ, (keys[lr_idx], values[lr_idx], rank)

@@ -1,0 +1,109 @@
+import math
+
+import pytest
+import torch
+
+import kvsum
+from kvsum.compress import prefill
+from kvsum.methods.base import LayerInput, make_method
+from kvsum.methods.summary.fit import causal_logits, fit_chunk_summaries
+
+from .conftest import tiny_llama
+
+BUDGETS = [0.5, 0.25, 0.125, 0.0625]
+
+
+@pytest.mark.parametrize("method", ["summary", "hae"])
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_budget_compliance(tiny, ids, method, budget):
+    cache = kvsum.compress(tiny, ids, method=method, budget=budget)
+    assert cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
+    out = tiny.generate(torch.cat([ids, ids[:, :4]], -1), cache=cache, max_new_tokens=4, min_new_tokens=4,
+                        do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+
+
+def test_surprisal_matches_model_logits(tiny, ids):
+    pre = prefill(tiny, ids)
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny(ids).logits[0].float(), -1)
+    expected = -logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(pre.surprisal[1:], expected, rtol=1e-4, atol=1e-4)
+    assert math.isinf(pre.surprisal[0])
+
+
+def test_identical_keys_chunk_is_summarized_exactly():
+    """A chunk of m copies of one key: one entry with bias log(m) and the chunk's mean value is exact."""
+    g = torch.Generator().manual_seed(0)
+    d, m = 8, 5
+    key = torch.randn(d, generator=g)
+    keys = key.repeat(m, 1)
+    values = torch.randn(m, d, generator=g)
+    q = torch.randn(12, d, generator=g)
+    pos = torch.full((12,), 100)
+    logits = causal_logits(q, pos, keys, 0.5)
+    ck, bias, cv = fit_chunk_summaries(logits, q, 0.5, keys, values, torch.zeros(m, dtype=torch.long), 1, ridge=0.0)
+    assert torch.allclose(bias, torch.tensor([math.log(m)]), atol=1e-5)
+    torch.testing.assert_close(cv[0], values.mean(0))
+    torch.testing.assert_close(ck[0], key)
+
+
+def _layer_input(seed=0, T=200, d=16, H=1, G=2, n=48, budget=0.25):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(H, T, d, generator=g)
+    values = torch.randn(H, T, d, generator=g)
+    queries = torch.randn(H * G, n, d, generator=g) + keys[:, -n:].repeat_interleave(G, 0) * 0.5
+    pos = torch.arange(T - n, T)
+    full = 2 * H * T * d * 2
+    return LayerInput(keys, values, queries, pos, d ** -0.5, 0, 1, budget * full, torch.float32,
+                      surprisal=torch.rand(T, generator=g))
+
+
+def _attention_error(state, x):
+    """Relative error of the attention output over the reference queries: state vs. the full block."""
+    G = x.queries.shape[0] // x.H
+    q = x.queries.reshape(1, x.H, -1, x.d)  # queries grouped by KV head
+    s = state.scores(q, x.scale)
+    approx = state.mix(torch.softmax(s, -1))[0, 0]
+    logits = causal_logits(x.queries.reshape(-1, x.d), x.query_pos.repeat(G), x.keys[0], x.scale)
+    exact = torch.softmax(logits, -1) @ x.values[0]
+    return float((approx - exact).norm() / exact.norm())
+
+
+def test_refit_reduces_attention_error_over_references():
+    errs = {}
+    for refit in (False, True):
+        x = _layer_input()
+        state = make_method("summary", refit=refit, anchor_share=0.5, entropy_allocation=False).compress(x)
+        errs[refit] = _attention_error(state, x)
+    assert errs[True] < 0.8 * errs[False], errs
+
+
+def test_lowrank_tier_full_rank_is_exact():
+    from kvsum.methods.summary.lowrank import LowRankState
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(30, 8, generator=g), torch.randn(30, 8, generator=g)
+    st = LowRankState([(k, v, 8)], dtype=torch.float32)
+    q = torch.randn(1, 1, 3, 8, generator=g)
+    torch.testing.assert_close(st.scores(q, 0.3)[0, 0], q[0, 0] @ k.t() * 0.3, rtol=1e-4, atol=1e-4)
+    p = torch.softmax(torch.randn(1, 1, 3, 30, generator=g), -1)
+    torch.testing.assert_close(st.mix(p)[0, 0], p[0, 0] @ v, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", ["summary", "hae"])
+def test_low_precision_models_stay_finite(dtype, method, ids):
+    model = tiny_llama(dtype=dtype)
+    cache = kvsum.compress(model, ids, method=method, budget=0.125, lowrank_share=0.2) if method == "summary" \
+        else kvsum.compress(model, ids, method=method, budget=0.125)
+    with torch.no_grad():
+        logits = model(ids[:, :5], cache=cache).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_bad_knobs_are_clear_errors():
+    with pytest.raises(kvsum.KVSumError, match="anchor_share"):
+        make_method("summary", anchor_share=1.5)
+    with pytest.raises(kvsum.KVSumError, match="no knob"):
+        make_method("summary", nonsense=1)
