@@ -37,17 +37,8 @@ def _take():
     return state
 
 
-class QueryCapture:
-    """Collects, per layer, the post-RoPE queries at chosen prompt positions during a prefill."""
-
-    def __init__(self, positions: Tensor):
-        self.positions = positions
-        self.queries: dict[int, Tensor] = {}
-
-    def add(self, layer_idx: int, query: Tensor) -> None:
-        if query.shape[2] < int(self.positions.max()) + 1:
-            raise KVSumError("query capture needs the whole prompt in one forward pass")
-        self.queries[layer_idx] = query[0, :, self.positions.to(query.device), :].float()
+class _Capture:
+    """Base of what the attention function feeds during a kvsum prefill: `add(layer, query, key, scale)`."""
 
     def __enter__(self):
         _local.capture = self
@@ -55,6 +46,44 @@ class QueryCapture:
 
     def __exit__(self, *exc):
         _local.capture = None
+
+
+class QueryCapture(_Capture):
+    """Collects, per layer, the post-RoPE queries at chosen prompt positions during a prefill."""
+
+    def __init__(self, positions: Tensor):
+        self.positions = positions
+        self.queries: dict[int, Tensor] = {}
+
+    def add(self, layer_idx: int, query: Tensor, key: Tensor, scale: float) -> None:
+        if query.shape[2] < int(self.positions.max()) + 1:
+            raise KVSumError("query capture needs the whole prompt in one forward pass")
+        self.queries[layer_idx] = query[0, :, self.positions.to(query.device), :].float()
+
+
+class RepeatScorer(_Capture):
+    """While the model re-reads its context, the attention each context key receives (max over the
+    re-reading queries and the query heads of its group), per layer: (H, T). Computed in query chunks,
+    so no attention matrix larger than (heads, chunk, keys) exists at once."""
+
+    def __init__(self, context_len: int, chunk: int = 256):
+        self.T, self.chunk = context_len, chunk
+        self.scores: dict[int, Tensor] = {}
+
+    def add(self, layer_idx: int, query: Tensor, key: Tensor, scale: float) -> None:
+        _, Hq, n, d = query.shape
+        H = key.shape[1]
+        k = key[0].float()  # (H, T + n, d): the context then the re-read so far
+        best = torch.zeros(H, self.T, device=key.device)
+        for a in range(0, n, self.chunk):
+            q = query[0, :, a:a + self.chunk].float().reshape(H, -1, d)  # grouped by KV head
+            m = q.shape[1] // (Hq // H)
+            logits = q @ k.transpose(-1, -2) * scale  # (H, G*m, T + n)
+            rows = torch.arange(a, a + m, device=key.device).repeat(Hq // H)
+            future = torch.arange(k.shape[1], device=key.device)[None, :] > (self.T + rows)[:, None]
+            p = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
+            best = torch.maximum(best, p[..., : self.T].amax(1))
+        self.scores[layer_idx] = best
 
 
 def _eager_of(module):
@@ -95,7 +124,7 @@ def _make(base: str):
         state = _take()
         capture = getattr(_local, "capture", None)
         if capture is not None:
-            capture.add(module.layer_idx, query)
+            capture.add(module.layer_idx, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
         if state is None:
             fn = sdpa_attention_forward if base == "sdpa" else _eager_of(module)
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

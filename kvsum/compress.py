@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import QueryCapture, use_kvsum_attention
+from .attention import QueryCapture, RepeatScorer, use_kvsum_attention
 from .budget import check_budget, full_nbytes
 from .cache import Cache
 from .errors import KVSumError
@@ -46,6 +46,7 @@ class Prefill:
     shape: ModelShape
     tokens: int
     surprisal: Tensor | None = None  # (T,) -log p(token | prefix) in nats; position 0 gets +inf
+    repeat_scores: dict[int, Tensor] | None = None  # per layer (H, T): attention received while re-reading
 
 
 def reference_positions(T: int, window: int = 64, sample: int = 192) -> Tensor:
@@ -102,11 +103,15 @@ def token_surprisal(model, hidden: Tensor, input_ids: Tensor, common: int = 8192
 
 
 @torch.no_grad()
-def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surprisal: bool = True) -> Prefill:
+def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surprisal: bool = True,
+            repeat: bool = False) -> Prefill:
     """Run the prompt once through the model, keeping the full cache and the reference queries.
 
     With `surprisal`, the final hidden states are also turned into each token's surprisal (one pass of the
     output layer over the prompt), the information signal the summary method uses to pick anchors.
+    With `repeat` (the richer, costlier mode), the model then reads the context a second time on top of
+    its cache and every context key is scored by the attention it receives while being re-read (what a
+    future question that needs it would do); the re-read is cropped off the cache afterwards.
     """
     input_ids = check_ids(model, input_ids)
     use_kvsum_attention(model)
@@ -117,8 +122,14 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
     with QueryCapture(pos) as cap:  # the decoder alone: no logits for the prompt unless asked for
         hidden = model.get_decoder()(input_ids, cache=cache, use_cache=True).last_hidden_state
     info = token_surprisal(model, hidden, input_ids) if surprisal else None
+    scores = None
+    if repeat:
+        with RepeatScorer(T) as rs:
+            model.get_decoder()(input_ids, cache=cache, use_cache=True)
+        cache.crop(-T)
+        scores = rs.scores
     cache.reference_nbytes = full_nbytes(shape.n_layers, shape.n_kv_heads, shape.head_dim, T)
-    return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info)
+    return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, scores)
 
 
 @torch.no_grad()
@@ -145,6 +156,7 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
             keys=layer.keys[0].float(), values=layer.values[0].float(),
             queries=pre.queries.get(i) if method.needs_queries else None,
             query_pos=pre.query_pos, scale=s.scales[i], layer_idx=i, n_layers=s.n_layers, surprisal=pre.surprisal,
+            key_scores=pre.repeat_scores.get(i) if pre.repeat_scores else None,
             budget_bytes=budget * layer_full, storage=storage_dtype))
     fractions = method.layer_budgets(inputs, budget)
     out = Cache(s.n_layers)
@@ -170,4 +182,4 @@ def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: fl
     budget = check_budget(budget)
     if storage_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise KVSumError(f"storage_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {storage_dtype}")
-    return compress_prefill(prefill(model, input_ids), m, budget, storage_dtype, consume=True)
+    return compress_prefill(prefill(model, input_ids, **m.prefill_options()), m, budget, storage_dtype, consume=True)

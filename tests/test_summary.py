@@ -107,3 +107,25 @@ def test_bad_knobs_are_clear_errors():
         make_method("summary", anchor_share=1.5)
     with pytest.raises(kvsum.KVSumError, match="no knob"):
         make_method("summary", nonsense=1)
+
+
+def test_repeat_prefill_scores_keys_and_leaves_the_cache_as_it_was(tiny, ids):
+    plain = prefill(tiny, ids)
+    rich = prefill(tiny, ids, repeat=True)
+    for a, b in zip(plain.cache.layers, rich.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)  # the re-read is cropped off
+    assert set(rich.repeat_scores) == {0, 1}
+    s = rich.repeat_scores[0]
+    assert s.shape == (2, ids.shape[1]) and float(s.min()) >= 0 and float(s.max()) <= 1
+
+
+def test_repeat_scores_do_not_depend_on_the_chunk_size(tiny, ids, monkeypatch):
+    from kvsum import attention
+
+    results = []
+    for chunk in (7, 4096):
+        monkeypatch.setattr(attention.RepeatScorer, "__init__",
+                            lambda self, T, c=chunk: (setattr(self, "T", T), setattr(self, "chunk", c),
+                                                      setattr(self, "scores", {}))[-1])
+        results.append(prefill(tiny, ids, repeat=True).repeat_scores[1])
+    torch.testing.assert_close(results[0], results[1])

@@ -31,6 +31,7 @@ class LayerInput:
     budget_bytes: float  # what this layer may hold
     storage: torch.dtype  # dtype of stored entries
     surprisal: Tensor | None = None  # (T,) -log p(token | prefix), +inf at position 0
+    key_scores: Tensor | None = None  # (H, T) attention received while re-reading (prefill(repeat=True))
 
     @property
     def H(self) -> int:
@@ -79,6 +80,10 @@ class Method:
 
     def compress(self, x: LayerInput) -> LayerState:
         raise NotImplementedError
+
+    def prefill_options(self) -> dict:
+        """Extra signals this method needs from kvsum.prefill (e.g. {"repeat": True})."""
+        return {}
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         """Fraction of each layer's full bytes it may hold; uniform by default."""

@@ -30,7 +30,7 @@ from .fit import (
 )
 from .lowrank import LowRankState
 
-SCORES = ("hybrid", "surprisal", "sharp_mass", "max", "mass")
+SCORES = ("hybrid", "surprisal", "repeat", "sharp_mass", "max", "mass")
 
 
 @register
@@ -62,6 +62,9 @@ class Summary(Method):
             raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.key_mode not in ("max", "mean"):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
+
+    def prefill_options(self) -> dict:
+        return {"repeat": self.score == "repeat"}
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         if not self.entropy_allocation:
@@ -110,6 +113,10 @@ class Summary(Method):
             return -torch.minimum(a, b)  # a token is kept as soon as either ranking wants it
         if self.score == "surprisal":
             return self._surprisal(x)
+        if self.score == "repeat":
+            if x.key_scores is None:
+                raise KVSumError("score='repeat' needs kvsum.prefill(..., repeat=True) (or compress(..., repeat=True))")
+            return x.key_scores[h].clone()
         p = torch.softmax(causal_logits(q, pos, x.keys[h], x.scale), -1)
         if self.score == "max":
             return p.max(0).values
