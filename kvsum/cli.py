@@ -84,6 +84,30 @@ def cmd_eval(args) -> None:
     print(f"wrote {js} and {md} in {time.time() - t:.0f} s")
 
 
+def cmd_calibrate(args) -> None:
+    from pathlib import Path
+
+    import kvsum
+    from kvsum.calibrate import calibrate
+    from kvsum.models import cache_dir
+
+    text = None
+    if args.text is not None:
+        path = Path(args.text)
+        if not path.is_file():
+            raise KVSumError(f"--text {args.text!r} is not a readable file")
+        text = path.read_text(errors="replace")
+        if not text.strip():
+            raise KVSumError(f"--text {args.text!r} is empty")
+    model, tok = kvsum.load_model(args.model)
+    art = calibrate(model, tok, text=text, method=args.method, tokens=args.tokens)
+    out = Path(args.out) if args.out else cache_dir() / f"{Path(args.model).name}-reconstruct.kvsum"
+    art.save(out)
+    m = art.meta
+    print(f"calibrated {', '.join(m['methods'])} for {args.model} in {m['seconds']:.0f} s; "
+          f"artifact {m['nbytes'] / 2**20:.1f} MiB, {m['n_knobs']} knobs -> {out}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsum", description="Compress the KV cache of transformers models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -94,6 +118,13 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=float, default=0.25)
     d.add_argument("--tokens", type=int, default=2000, help="document length in tokens")
     d.set_defaults(fn=cmd_demo)
+    c = sub.add_parser("calibrate", help="fit the per-model artifacts of echokv and lowrank")
+    c.add_argument("--model", default="smollm2")
+    c.add_argument("--text", default=None, help="calibration text file (default: Python stdlib source)")
+    c.add_argument("--method", default="all", choices=["all", "echokv", "lowrank"])
+    c.add_argument("--tokens", type=int, default=4096)
+    c.add_argument("--out", default=None, help="artifact path (default ~/.cache/kvsum/<model>-reconstruct.kvsum)")
+    c.set_defaults(fn=cmd_calibrate)
     e = sub.add_parser("eval", help="evaluate methods on a task; writes JSON and a markdown table")
     e.add_argument("--model", default="smollm2")
     e.add_argument("--method", required=True, help="one or more methods, comma-separated")

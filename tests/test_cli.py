@@ -41,3 +41,11 @@ def test_demo_runs_on_the_bundled_model(capsys, smollm2):
     assert main(["demo", "--method", "streaming_llm", "--tokens", "600"]) == 0
     out = capsys.readouterr().out
     assert "bytes held" in out and "pass key" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["calibrate", "--text", "/nonexistent/file.txt"], "is not a readable file"),
+])
+def test_calibrate_bad_text_is_rejected(capsys, argv, needle):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
