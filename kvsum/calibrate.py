@@ -338,6 +338,16 @@ class Artifact:
         return self._fits[key]
 
 
+def artifact_of(method, name: str, n_layers: int, H: int, d: int) -> Artifact:
+    """The Artifact behind a method instance's `artifact` knob, read once per instance and shape-checked."""
+    knob, art = getattr(method, "_art", (None, None))
+    if art is None or knob is not method.artifact:
+        art = resolve(method.artifact, name)
+        method._art = (method.artifact, art)
+    art.check_shape(name, n_layers, H, d)
+    return art
+
+
 def resolve(artifact, method: str) -> Artifact:
     """An Artifact from a method's `artifact` knob (an Artifact, or a path to one)."""
     if isinstance(artifact, Artifact):

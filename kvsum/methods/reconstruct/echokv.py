@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...calibrate import EchoPlan, layer_rope, resolve, rope_tables, rotate, unrotate
+from ...calibrate import EchoPlan, artifact_of, layer_rope, rope_tables, rotate, unrotate
 from ...errors import KVSumError
 from ...state import tensor_bytes
 from ..base import LayerInput, Method, register
@@ -166,11 +166,7 @@ class EchoKV(Method):
         return S, kk, kv
 
     def compress(self, x: LayerInput) -> EchoState:
-        knob, art = getattr(self, "_art", (None, None))
-        if art is None or knob is not self.artifact:  # a path is read once per method instance
-            art = resolve(self.artifact, "echokv")
-            self._art = (self.artifact, art)
-        art.check_shape("echokv", x.n_layers, x.H, x.d)
+        art = artifact_of(self, "echokv", x.n_layers, x.H, x.d)
         S, kk, kv = self.layout(x)
         prev = getattr(self, "_prev", None) if x.layer_idx > 0 else None
         if x.layer_idx > 0 and (prev is None or prev.layer_idx != x.layer_idx - 1 or prev.S != S):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...calibrate import layer_rope, resolve, rope_tables, rotate, unrotate
+from ...calibrate import artifact_of, layer_rope, rope_tables, rotate, unrotate
 from ...errors import KVSumError
 from ...state import tensor_bytes
 from ..base import LayerInput, Method, register
@@ -149,11 +149,7 @@ class LowRank(Method):
         return split(self.rank, self.key_share, width)
 
     def compress(self, x: LayerInput) -> LowRankState:
-        knob, art = getattr(self, "_art", (None, None))
-        if art is None or knob is not self.artifact:  # a path is read once per method instance
-            art = resolve(self.artifact, "lowrank")
-            self._art = (self.artifact, art)
-        art.check_shape("lowrank", x.n_layers, x.H, x.d)
+        art = artifact_of(self, "lowrank", x.n_layers, x.H, x.d)
         if self.space not in SPACES:
             raise KVSumError(f"lowrank: space={self.space!r}; accepted: {', '.join(SPACES)}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
