@@ -5,7 +5,7 @@ STAMP := $(VENV)/.kvsum-installed
 
 .PHONY: demo test lint install bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.

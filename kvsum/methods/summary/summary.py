@@ -41,14 +41,14 @@ class Summary(Method):
     needs_queries = True
     sinks: int = 4
     window: int = 32
-    anchor_share: float = 0.5
+    anchor_share: float = 0.8
     lowrank_share: float = 0.0
     max_rank: int = 16
     entropy_allocation: bool = True
     refit: bool = True  # fit biases and values; off = representatives as they are
     key_mode: str = "max"  # summary key: "max" (most attended real key) or "mean" (mass-weighted mean)
     ridge: float = 1.0
-    score: str = "surprisal"  # anchor score: "surprisal", or from attention: "sharp_mass", "max", "mass"
+    score: str = "hybrid"  # anchor score: "surprisal", or from attention: "sharp_mass", "max", "mass"
     max_refs: int = 384  # reference query rows per KV head used by the fits
     span: int = 9  # average the token score over a span of neighbours: facts are spans of tokens
 
