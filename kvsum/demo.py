@@ -23,11 +23,11 @@ def _document(tok, tokens: int, seed: int = 7):
     rng = random.Random(seed)
     key, code_a, code_b = (str(rng.randint(10000, 99999)) for _ in range(3))
     facts = [(0.3, f"The pass key is {key}. Remember it. {key} is the pass key."),
-             (0.6, f"The special code for the lantern is {code_a}."),
-             (0.85, f"The special code for the falcon is {code_b}.")]
+             (0.6, f"The locker number for the lantern is {code_a}."),
+             (0.85, f"The serial number for the falcon is {code_b}.")]
     ids, _ = _with_needles(tok, tokens, seed, facts)
-    cues = [("The pass key is", key), ("The special code for the lantern is", code_a),
-            ("The special code for the falcon is", code_b)]
+    cues = [("The pass key is", key), ("The locker number for the lantern is", code_a),
+            ("The serial number for the falcon is", code_b)]
     return _tensor(ids), cues
 
 
