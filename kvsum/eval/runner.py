@@ -1,0 +1,132 @@
+"""Run tasks x lengths x methods x budgets on one model, sharing each example's prefill.
+
+The prefill (the expensive part) runs once per example; every (method, budget) cache and the
+full-cache reference are built from it with `kvsum.compress_prefill`. Each row aggregates the same
+examples, so a method's score and the full cache's score beside it are directly comparable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ..compress import compress_prefill, prefill
+from ..errors import KVSumError
+from ..methods import make_method
+from .metrics import fidelity, summarize_fidelity
+from .report import write  # noqa: F401  (re-exported: run, then write)
+from .tasks import Example, Task, get_task
+
+MethodSpec = str | tuple[str, dict] | tuple[str, dict, Sequence[float]]
+
+
+def _configs(methods: Sequence[MethodSpec], budgets: Sequence[float]) -> list[tuple[str, dict, float]]:
+    """(name, knobs, budget) per configuration; a spec may carry its own budgets as a third element."""
+    out = []
+    for m in methods:
+        name, knobs, own = (m, {}, None) if isinstance(m, str) else (m[0], dict(m[1]), m[2] if len(m) > 2 else None)
+        make_method(name, **knobs)  # fail before any prefill on a bad name or knob
+        out += [(name, knobs, b) for b in ([1.0] if name == "full" else own or budgets)]
+    return out
+
+
+@torch.no_grad()
+def answer(model, tokenizer, task: Task, ex: Example, cache) -> tuple[float, str]:
+    """Append the question to the compressed context, generate greedily, score the text."""
+    ids = torch.cat([ex.context_ids, ex.question_ids], -1).to(model.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(ids, cache=cache, max_new_tokens=task.max_new_tokens, do_sample=False,
+                         attention_mask=torch.ones_like(ids), pad_token_id=pad)
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return task.score(ex, text), text
+
+
+@torch.no_grad()
+def forced_logits(model, ex: Example, cache) -> torch.Tensor:
+    """Next-token logits (q, V) over the teacher-forced continuation, on top of `cache`."""
+    return model(ex.question_ids.to(model.device), cache=cache, use_cache=True).logits[0].float()
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return nullcontext(None)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn())
+
+
+def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequence[MethodSpec],
+        budgets: Sequence[float], lengths: Sequence[int], n: int, seed: int = 0, progress: bool = True) -> list[dict]:
+    """One row per task x length x method x budget, aggregated over `n` examples.
+
+    `methods`: names, (name, knobs) pairs or (name, knobs, budgets) triples; "full" gets one row at budget 1.0.
+    Retrieval rows score accuracy in %, lm rows the KL(full || compressed) in nats (plus top1 %, ppl_ratio).
+    """
+    tasks = [get_task(task)] if isinstance(task, str | Task) else [get_task(t) for t in task]
+    if n < 1 or not lengths:
+        raise KVSumError("run needs n >= 1 and at least one length")
+    configs = _configs(methods, budgets)
+    rows: list[dict] = []
+    with _progress(progress) as bar:
+        job = bar.add_task("eval", total=len(tasks) * len(lengths) * n) if bar else None
+        for t in tasks:
+            for length in lengths:
+                if bar:
+                    bar.update(job, description=f"{t.name} @ {length} tokens")
+                per = [[] for _ in configs]  # per config: one record per example
+                for ex in t.examples(tokenizer, length, n, seed):
+                    _one_example(model, tokenizer, t, ex, configs, per)
+                    if bar:
+                        bar.advance(job)
+                rows += [_row(t, length, cfg, recs) for cfg, recs in zip(configs, per)]
+    return rows
+
+
+def _one_example(model, tokenizer, t: Task, ex: Example, configs, per) -> None:
+    t0 = time.perf_counter()
+    opts = {k: v for name, knobs, _ in configs for k, v in make_method(name, **knobs).prefill_options().items() if v}
+    pre = prefill(model, ex.context_ids.to(model.device), **opts)
+    prefill_s = time.perf_counter() - t0
+    ref_cache = compress_prefill(pre, make_method("full"), 1.0)
+    if t.kind == "lm":
+        ref_logits = forced_logits(model, ex, ref_cache)
+        targets = ex.question_ids[0, 1:]
+    else:
+        ref_score, _ = answer(model, tokenizer, t, ex, ref_cache)
+    del ref_cache
+    for (name, knobs, budget), recs in zip(configs, per):
+        t0 = time.perf_counter()
+        cache = compress_prefill(pre, make_method(name, **knobs), budget)
+        compress_s = time.perf_counter() - t0
+        rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
+                   compress_s=compress_s)
+        if t.kind == "lm":
+            rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
+        else:
+            rec["score"], rec["output"] = answer(model, tokenizer, t, ex, cache)
+            rec["full_score"] = ref_score
+        rec["seconds"] = time.perf_counter() - t0
+        recs.append(rec)
+
+
+def _mean(recs: list[dict], key: str) -> float:
+    return sum(r[key] for r in recs) / len(recs)
+
+
+def _row(t: Task, length: int, cfg, recs: list[dict]) -> dict:
+    name, knobs, budget = cfg
+    row = dict(task=t.name, length=length, method=name, knobs=knobs, budget=budget, n=len(recs))
+    if t.kind == "lm":
+        fid = summarize_fidelity(recs)
+        row.update(score=fid["kl"], full_score=0.0, **fid)
+    else:
+        row.update(score=100 * _mean(recs, "score"), full_score=100 * _mean(recs, "full_score"))
+    held, full = _mean(recs, "bytes"), _mean(recs, "full_bytes")
+    row.update(bytes=held, full_bytes=full, ratio=held / full, seconds=_mean(recs, "seconds"),
+               compress_s=_mean(recs, "compress_s"), prefill_s=_mean(recs, "prefill_s"))
+    row["examples"] = [{k: r[k] for k in ("depth", "score", "full_score", "output", "kl", "top1") if k in r}
+                       for r in recs]
+    return row
