@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.methods:
         cache, t_compress = _timed(lambda n=name: kvsum.compress_prefill(pre, make_method(n), args.budget))
         extra = max(full_prefill - plain, 0.0) if name == "summary" else 0.0  # only summary reads surprisal
+        ratio = cache.nbytes() / cache.reference_nbytes  # right after compression, before decoding grows it
         step = decode_step(model, cache, token, args.steps)
-        ratio = cache.nbytes() / cache.reference_nbytes
         rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,
                          compress_s=t_compress, capture_s=extra, prefill_s=plain,
                          compress_over_prefill=(t_compress + extra) / plain, decode_step_s=step,
