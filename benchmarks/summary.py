@@ -8,15 +8,9 @@ query-agnostic. Budgets 0.5, 0.25, 0.125, 0.0625 for summary and hae; the evicti
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-from pathlib import Path
+from common import arguments, finish, start
 
-import torch
-
-import kvsum
-from kvsum.eval import run, write
+from kvsum.eval import run
 
 EVICTION = ["streaming_llm", "random", "snapkv", "h2o", "tova", "knorm", "expected_attention", "restkv"]
 ABLATIONS = [  # each switches one stage of the default summary (hybrid anchors, fitted summaries) on or off
@@ -33,25 +27,17 @@ def methods() -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
+    ap = arguments(__doc__, "summary", threads=2)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--n", type=int, nargs="+", default=[6, 3], help="examples per task, one per length")
     ap.add_argument("--n-lm", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "summary"))
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model, tok = kvsum.load_model(args.model)
-    t0 = time.perf_counter()
+    model, tok, t0 = start(args)
     rows = []
     for length, n in zip(args.lengths, args.n):
         rows += run(model, tok, ["passkey", "multikey"], methods(), [], [length], n)
     rows += run(model, tok, "lm", methods(), [], [1536], args.n_lm)
-    js, md = write(rows, args.out, model=args.model, command=" ".join(["python", *sys.argv]),
-                   threads=args.threads, wall_s=round(time.perf_counter() - t0, 1))
-    print(md.read_text())
-    print(f"wrote {js} and {md}")
+    finish(rows, args, t0)
 
 
 if __name__ == "__main__":

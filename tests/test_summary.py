@@ -129,3 +129,10 @@ def test_repeat_scores_do_not_depend_on_the_chunk_size(tiny, ids, monkeypatch):
                                                       setattr(self, "scores", {}))[-1])
         results.append(prefill(tiny, ids, repeat=True).repeat_scores[1])
     torch.testing.assert_close(results[0], results[1])
+
+
+def test_entropy_allocation_spreads_bytes_and_keeps_the_budget(tiny, ids):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.25, entropy_allocation=True)
+    assert cache.nbytes() <= 0.27 * cache.reference_nbytes
+    lengths = [n for layer in cache.layers for n in layer.state.lengths()]
+    assert len(set(lengths)) > 1  # heads and layers no longer hold equal shares

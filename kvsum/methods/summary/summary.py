@@ -30,6 +30,14 @@ from .fit import (
 )
 from .lowrank import LowRankState
 
+
+def _rank(score):
+    """Rank of every token by descending score (0 = best)."""
+    r = torch.empty_like(score)
+    r[torch.argsort(score, descending=True)] = torch.arange(len(score), device=score.device, dtype=score.dtype)
+    return r
+
+
 SCORES = ("hybrid", "surprisal", "repeat", "sharp_mass", "max", "mass")
 
 
@@ -81,12 +89,11 @@ class Summary(Method):
         if x.queries is None:
             raise KVSumError("summary needs reference queries (use kvsum.compress, which captures them)")
         elem = torch.empty(0, dtype=x.storage).element_size()
-        head_bytes = x.budget_bytes / x.H
-        if self.entropy_allocation and getattr(self, "_diffuse", None) is not None:
-            diff = self._diffuse.get(x.layer_idx)
-            per_head = split_by_weight(int(x.budget_bytes), 0.5 + diff, 0, int(x.budget_bytes))
+        diffuse = getattr(self, "_diffuse", None) if self.entropy_allocation else None
+        if diffuse is not None:  # diffuse heads get more of the layer's bytes
+            per_head = split_by_weight(int(x.budget_bytes), 0.5 + diffuse[x.layer_idx], 0, int(x.budget_bytes))
         else:
-            per_head = [int(head_bytes)] * x.H
+            per_head = [int(x.budget_bytes / x.H)] * x.H
         heads = [self._head(x, h, per_head[h], elem) for h in range(x.H)]
         entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in heads],
                              [torch.cat([a[1], s[2]]) for a, s, _ in heads],
@@ -106,16 +113,12 @@ class Summary(Method):
             win = pos >= x.T - 64
             p = torch.softmax(causal_logits(q[win], pos[win], x.keys[h], x.scale), -1).mean(0)
             p = torch.nn.functional.avg_pool1d(p[None, None], 5, 1, 2, count_include_pad=False)[0, 0, :x.T]
-            a = torch.empty(x.T, device=p.device)
-            a[torch.argsort(p, descending=True)] = torch.arange(x.T, device=p.device, dtype=a.dtype)
-            b = torch.empty_like(a)
-            b[torch.argsort(self._surprisal(x), descending=True)] = torch.arange(x.T, device=p.device, dtype=a.dtype)
-            return -torch.minimum(a, b)  # a token is kept as soon as either ranking wants it
+            return -torch.minimum(_rank(p), _rank(self._surprisal(x)))  # kept as soon as either ranking wants it
         if self.score == "surprisal":
             return self._surprisal(x)
         if self.score == "repeat":
             if x.key_scores is None:
-                raise KVSumError("score='repeat' needs kvsum.prefill(..., repeat=True) (or compress(..., repeat=True))")
+                raise KVSumError("score='repeat' needs kvsum.prefill(..., repeat=True) (kvsum.compress asks for it)")
             return x.key_scores[h].clone()
         p = torch.softmax(causal_logits(q, pos, x.keys[h], x.scale), -1)
         if self.score == "max":

@@ -1,0 +1,39 @@
+"""What every evaluation benchmark script shares: its standard arguments and how it writes its results."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvsum
+from kvsum.eval import write
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def arguments(doc: str, name: str, threads: int) -> argparse.ArgumentParser:
+    """A parser with --model, --threads and --out (default benchmarks/results/<name>)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--out", default=str(RESULTS / name))
+    return ap
+
+
+def start(args):
+    """Set the thread count, load the model; returns (model, tokenizer, start time)."""
+    torch.set_num_threads(args.threads)
+    model, tok = kvsum.load_model(args.model)
+    return model, tok, time.perf_counter()
+
+
+def finish(rows: list[dict], args, t0: float) -> None:
+    """Write rows as JSON + markdown with the command line, threads and wall time, and print the table."""
+    js, md = write(rows, args.out, model=args.model, command=" ".join(["python", *sys.argv]),
+                   threads=args.threads, wall_s=round(time.perf_counter() - t0, 1))
+    print(md.read_text())
+    print(f"wrote {js} and {md}")
