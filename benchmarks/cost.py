@@ -56,14 +56,16 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = kvsum.load_model(args.model)
     ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
     ctx, token = ex.context_ids, ex.question_ids[:, :1]
-    kvsum.prefill(model, ctx[:, :256], surprisal=False)  # warm-up
-    _, plain = _timed(lambda: kvsum.prefill(model, ctx, surprisal=False), repeat=2)
-    pre, full_prefill = _timed(lambda: kvsum.prefill(model, ctx), repeat=1)
+    kvsum.prefill(model, ctx[:, :256])  # warm-up
+    _, plain = _timed(lambda: kvsum.prefill(model, ctx), repeat=2)
+    extras = {k: v for m in args.methods for k, v in make_method(m).prefill_options().items() if v}
+    pre, full_prefill = _timed(lambda: kvsum.prefill(model, ctx, **extras), repeat=1)
     full_step = decode_step(model, kvsum.compress_prefill(pre, make_method("full"), 1.0), token, args.steps)
     rows = []
     for name in args.methods:
         cache, t_compress = _timed(lambda n=name: kvsum.compress_prefill(pre, make_method(n), args.budget))
-        extra = max(full_prefill - plain, 0.0) if name == "summary" else 0.0  # only summary reads surprisal
+        # the extra prefill work (surprisal) is charged to the methods that ask for it
+        extra = max(full_prefill - plain, 0.0) if any(make_method(name).prefill_options().values()) else 0.0
         ratio = cache.nbytes() / cache.reference_nbytes  # right after compression, before decoding grows it
         step = decode_step(model, cache, token, args.steps)
         rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,

@@ -103,12 +103,13 @@ def token_surprisal(model, hidden: Tensor, input_ids: Tensor, common: int = 8192
 
 
 @torch.no_grad()
-def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surprisal: bool = True,
+def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surprisal: bool = False,
             repeat: bool = False) -> Prefill:
     """Run the prompt once through the model, keeping the full cache and the reference queries.
 
     With `surprisal`, the final hidden states are also turned into each token's surprisal (one pass of the
-    output layer over the prompt), the information signal the summary method uses to pick anchors.
+    output layer over the prompt), the information signal the summary method uses to pick anchors. Both
+    extras cost time, so they run only when asked: `Method.prefill_options()` says what a method needs.
     With `repeat` (the richer, costlier mode), the model then reads the context a second time on top of
     its cache and every context key is scored by the attention it receives while being re-read (what a
     future question that needs it would do); the re-read is cropped off the cache afterwards.

@@ -24,7 +24,7 @@ def test_budget_compliance(tiny, ids, method, budget):
 
 
 def test_surprisal_matches_model_logits(tiny, ids):
-    pre = prefill(tiny, ids)
+    pre = prefill(tiny, ids, surprisal=True)
     with torch.no_grad():
         logp = torch.log_softmax(tiny(ids).logits[0].float(), -1)
     expected = -logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
@@ -136,3 +136,10 @@ def test_entropy_allocation_spreads_bytes_and_keeps_the_budget(tiny, ids):
     assert cache.nbytes() <= 0.27 * cache.reference_nbytes
     lengths = [n for layer in cache.layers for n in layer.state.lengths()]
     assert len(set(lengths)) > 1  # heads and layers no longer hold equal shares
+
+
+def test_prefill_extras_run_only_when_a_method_asks(tiny, ids):
+    assert prefill(tiny, ids).surprisal is None  # eviction, quantization, calibration: no output-layer pass
+    assert make_method("summary").prefill_options()["surprisal"]
+    assert not any(make_method("summary", score="sharp_mass").prefill_options().values())
+    assert make_method("streaming_llm").prefill_options() == {}

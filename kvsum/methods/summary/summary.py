@@ -72,7 +72,7 @@ class Summary(Method):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
 
     def prefill_options(self) -> dict:
-        return {"repeat": self.score == "repeat"}
+        return {"surprisal": self.score in ("hybrid", "surprisal"), "repeat": self.score == "repeat"}
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         if not self.entropy_allocation:
