@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .attention import QueryCapture, RepeatScorer, use_kvsum_attention
-from .budget import check_budget, full_nbytes
+from .budget import check_budget, check_storage, full_nbytes
 from .cache import Cache
 from .errors import KVSumError
 from .methods import LayerInput, Method, make_method
@@ -137,7 +137,7 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
 def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=torch.float16,
                      consume: bool = False) -> Cache:
     """A compressed Cache from a prefill. With `consume`, the prefill's full layers are freed as they go."""
-    budget = check_budget(budget)
+    budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)
     s = pre.shape
     if method.name == "full":
         if consume:
@@ -180,7 +180,5 @@ def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: fl
     Method knobs are keyword arguments (`sinks=4` for streaming_llm); `kvsum.methods()` lists methods.
     """
     m = make_method(method, **knobs)
-    budget = check_budget(budget)
-    if storage_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise KVSumError(f"storage_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {storage_dtype}")
+    budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)  # fail before the prefill
     return compress_prefill(prefill(model, input_ids, **m.prefill_options()), m, budget, storage_dtype, consume=True)

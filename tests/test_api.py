@@ -91,3 +91,11 @@ def test_methods_lists_the_foundation_methods():
     names = kvsum.methods()
     assert {"full", "streaming_llm", "random", "summary", "hae"} <= set(names)
     assert all(isinstance(v, str) and v for v in names.values())
+
+
+def test_compress_prefill_checks_storage_too(tiny, ids):
+    pre = kvsum.prefill(tiny, ids)
+    from kvsum.methods.base import make_method
+
+    with pytest.raises(kvsum.KVSumError, match="storage_dtype must be"):
+        kvsum.compress_prefill(pre, make_method("streaming_llm"), 0.25, storage_dtype=torch.int8)
