@@ -26,15 +26,16 @@ from .errors import KVSumError
 _local = threading.local()
 
 
-def hand_over(state) -> None:
-    """Called by a cache layer's update: the next attention call attends over `state` too."""
-    _local.state = state
+def hand_over(state, observer=None) -> None:
+    """Called by a cache layer's update: the next attention call attends over `state` too, and shows its
+    queries to `observer.observe(query)` (a decoding-time stream that scores entries by them) if given."""
+    _local.state, _local.observer = state, observer
 
 
 def _take():
-    state = getattr(_local, "state", None)
-    _local.state = None
-    return state
+    state, observer = getattr(_local, "state", None), getattr(_local, "observer", None)
+    _local.state = _local.observer = None
+    return state, observer
 
 
 class _Capture:
@@ -110,6 +111,9 @@ def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tens
             mask = causal
     if mask is not None:
         m = mask[0, 0] if mask.dim() == 4 else mask  # (q, t): one mask for all heads
+        # a stream may have folded the oldest tail tokens into the state after the mask was built: the
+        # mask's last t columns are the tail's.
+        m = m[..., m.shape[-1] - key.shape[2]:]
         if m.dtype == torch.bool:
             m = torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
         s_tail = (s_tail.view(1, H, G, q_len, -1) + m.float()).view(1, H, G * q_len, -1)
@@ -121,7 +125,9 @@ def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tens
 
 def _make(base: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        state = _take()
+        state, observer = _take()
+        if observer is not None:
+            observer.observe(query)
         capture = getattr(_local, "capture", None)
         if capture is not None:
             capture.add(module.layer_idx, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)

@@ -7,6 +7,9 @@ and the compressed entries are always visible to the tokens that follow them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import transformers
 from transformers.cache_utils import DynamicLayer
@@ -16,6 +19,22 @@ from .errors import KVSumError
 from .state import LayerState, tensor_bytes
 
 
+class Stream(Protocol):
+    """Decoding-time behaviour of one layer (streaming quantization, decoding-time eviction).
+
+    `step(layer, fresh)` runs after every cache update and may replace `layer.state`, shorten the tail
+    (`layer.keys`/`layer.values`, oldest tokens first) and raise `layer.offset` by the tokens it folded;
+    the attention call that follows sees the result. The `fresh` newest tail tokens (this update's) must
+    stay in the tail: state entries are visible to every query, so folding them would break causality.
+    `observe(query)` receives that call's queries
+    (1, Hq, q, d), for streams that score entries by recent attention.
+    """
+
+    def step(self, layer: KVSumLayer, fresh: int) -> None: ...
+
+    def observe(self, query: torch.Tensor) -> None: ...
+
+
 class KVSumLayer(DynamicLayer):
     """One layer: `state` (compressed prompt, or None) + `keys`/`values` (the tail, model dtype)."""
 
@@ -23,6 +42,7 @@ class KVSumLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.state: LayerState | None = None
         self.offset = 0  # logical tokens that live in `state`, not in the tail
+        self.stream = None  # optional Stream: runs after every update, may move tail tokens into the state
 
     def set_state(self, state: LayerState | None, offset: int, empty_tail: torch.Tensor) -> None:
         self.state, self.offset = state, offset
@@ -31,7 +51,10 @@ class KVSumLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = super().update(key_states, value_states)
-        hand_over(self.state)
+        if self.stream is not None:
+            self.stream.step(self, key_states.shape[-2])  # may fold old tail tokens into the state
+            keys, values = self.keys, self.values
+        hand_over(self.state, self.stream)
         return keys, values
 
     def tail_length(self) -> int:
@@ -92,6 +115,12 @@ class Cache(transformers.Cache):
         self.reference_nbytes = 0
         self.method = "full"
         self.budget = 1.0
+
+    def attach(self, make_stream: Callable[[int], Stream | None]) -> Cache:
+        """Give layer i the decoding-time stream make_stream(i) (None leaves it alone); returns self."""
+        for i, layer in enumerate(self.layers):
+            layer.stream = make_stream(i)
+        return self
 
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (compressed states and tails)."""

@@ -138,3 +138,46 @@ def test_compressed_decode_equals_attention_over_kept_entries(tiny, ids):
     with torch.no_grad():
         exp = tiny(nxt, cache=ref, attention_mask=mask, position_ids=torch.arange(300, 303)[None]).logits
     torch.testing.assert_close(ours, exp, rtol=1e-4, atol=1e-4)
+
+
+class _FoldAll:
+    """A stream that moves the whole tail but its newest `keep` tokens into an exact fp32 EntryState."""
+
+    def __init__(self, keep):
+        self.keep, self.seen = keep, 0
+
+    def observe(self, query):
+        self.seen += query.shape[2]
+
+    def step(self, layer, fresh):
+        n = layer.keys.shape[2] - max(self.keep, fresh)
+        if n <= 0:
+            return
+        k, v = layer.keys[0, :, :n].float(), layer.values[0, :, :n].float()
+        new = EntryState(list(k), list(v), dtype=torch.float32)
+        if layer.state is not None:
+            old = layer.state
+            new = EntryState([torch.cat([old.keys.view(old.H, -1, k.shape[-1])[h], k[h]]) for h in range(old.H)],
+                             [torch.cat([old.values.view(old.H, -1, k.shape[-1])[h], v[h]]) for h in range(old.H)],
+                             dtype=torch.float32)
+        layer.state, layer.offset = new, layer.offset + n
+        layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("keep", [0, 3])
+def test_stream_folding_tail_into_state_keeps_outputs(attn, keep, ids):
+    """Decoding-time streams may move tail tokens into the state mid-generation; mask, positions and
+    attention stay right: folding exactly (fp32) reproduces the full cache's logits to fp32 rounding."""
+    model = tiny_llama(attn)
+    ctx, q = ids, ids[:, :7]
+    full_ids = torch.cat([ctx, q], -1)
+    ref = _greedy_logits(model, full_ids, kvsum.compress(model, ctx, method="full"))
+    streams = {}
+    cache = kvsum.compress(model, ctx, method="full").attach(lambda i: streams.setdefault(i, _FoldAll(keep)))
+    ours = _greedy_logits(model, full_ids, cache)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert all(layer.tail_length() <= keep + 1 for layer in cache.layers)
+    assert cache.layers[0].get_seq_length() == full_ids.shape[1] + 19
+    assert streams[0].seen == 7 + 19  # the question's queries, then one per generated token after the first
