@@ -10,6 +10,7 @@ from torch import Tensor
 from .attention import QueryCapture, RepeatScorer, use_kvsum_attention
 from .budget import check_budget, check_storage, full_nbytes
 from .cache import Cache
+from .calibrate import layer_rope, rope_of
 from .errors import KVSumError
 from .methods import LayerInput, Method, make_method
 
@@ -47,6 +48,7 @@ class Prefill:
     tokens: int
     surprisal: Tensor | None = None  # (T,) -log p(token | prefix) in nats; position 0 gets +inf
     repeat_scores: dict[int, Tensor] | None = None  # per layer (H, T): attention received while re-reading
+    rope: dict | None = None  # per-layer RoPE tables (kvsum.calibrate.rope_of), None if not of the Llama form
 
 
 def reference_positions(T: int, window: int = 64, sample: int = 192) -> Tensor:
@@ -130,7 +132,8 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
         cache.crop(-T)
         scores = rs.scores
     cache.reference_nbytes = full_nbytes(shape.n_layers, shape.n_kv_heads, shape.head_dim, T)
-    return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, scores)
+    return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, scores,
+                   rope_of(model, shape.head_dim, shape.n_layers))
 
 
 @torch.no_grad()
@@ -157,7 +160,7 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
             keys=layer.keys[0].float(), values=layer.values[0].float(),
             queries=pre.queries.get(i) if method.needs_queries else None,
             query_pos=pre.query_pos, scale=s.scales[i], layer_idx=i, n_layers=s.n_layers, surprisal=pre.surprisal,
-            key_scores=pre.repeat_scores.get(i) if pre.repeat_scores else None,
+            key_scores=pre.repeat_scores.get(i) if pre.repeat_scores else None, rope=layer_rope(pre.rope, i),
             budget_bytes=budget * layer_full, storage=storage_dtype))
     fractions = method.layer_budgets(inputs, budget)
     out = Cache(s.n_layers)

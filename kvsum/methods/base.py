@@ -32,6 +32,7 @@ class LayerInput:
     storage: torch.dtype  # dtype of stored entries
     surprisal: Tensor | None = None  # (T,) -log p(token | prefix), +inf at position 0
     key_scores: Tensor | None = None  # (H, T) attention received while re-reading (prefill(repeat=True))
+    rope: dict | None = None  # this layer's Llama-form RoPE {inv_freq, scaling}, for methods that un-rotate keys
 
     @property
     def H(self) -> int:
