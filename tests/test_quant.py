@@ -101,9 +101,9 @@ def test_kivi_error_within_half_a_scale(bits):
     n_q, H, d = s.n_q, x.H, x.d
     assert n_q == 168  # (300 - 128) // 8 * 8
     k_err = (s.keys()[:, :n_q] - x.keys[:, :n_q]).view(H, n_q // 8, 8, d).abs()
-    assert (k_err <= s.k_scale.float() / 2 + 1e-5).all()
+    assert (k_err <= s.k_scale.float().transpose(0, 1) / 2 + 1e-5).all()  # scales are held token-major
     v_err = (s.values()[:, :n_q] - x.values[:, :n_q]).view(H, n_q, d // 8, 8).abs()
-    assert (v_err <= s.v_scale.float() / 2 + 1e-5).all()
+    assert (v_err <= s.v_scale.float().transpose(0, 1) / 2 + 1e-5).all()
     assert k_err.max() > s.k_scale.float().min() / 8  # it does quantize
     assert torch.equal(s.keys()[:, n_q:], x.keys[:, n_q:].half().float())
     # keys are grouped per channel: the outlier channel has its own, larger scale
@@ -204,3 +204,46 @@ def test_quantized_smollm2_tracks_the_full_cache(smollm2):
         kl[name, bits] = _kl(full, _teacher_forced(model, cache, cont))
     assert kl["turboquant", 4] < 0.05 and kl["kivi", 4] < 0.05
     assert kl["turboquant", 4] < kl["turboquant", 2]
+
+
+def _stepwise(model, cache, cont):
+    """Next-token logits when `cont` is fed one token at a time, as generation does."""
+    with torch.no_grad():
+        return torch.stack([model(cont[:, t:t + 1], past_key_values=cache).logits[0, -1].float()
+                            for t in range(cont.shape[1])])
+
+
+@pytest.mark.parametrize("method,knobs", [("turboquant", dict(bits=4)), ("turboquant", dict(bits=3, qjl=True)),
+                                          ("kivi", dict(bits=2))])
+def test_decoded_tokens_are_quantized_in_groups(method, knobs):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(2))
+    ctx, cont = ids[:, :300], ids[:, 300:]
+    full = _stepwise(model, kvsum.compress(model, ctx, method="full"), cont)
+    plain = kvsum.compress(model, ctx, method=method, budget=1.0, **knobs).attach(lambda i: None)
+    ref = _stepwise(model, plain, cont)  # the same quantized prompt, decoded tokens kept in full precision
+    cache = kvsum.compress(model, ctx, method=method, budget=1.0, **knobs)
+    state0, start = cache.layers[0].state, cache.nbytes()
+    coded0 = state0.T - state0.pending()
+    ours = _stepwise(model, cache, cont)
+    m = make_method(method, **knobs)
+    for layer in cache.layers:
+        assert layer.state is state0 or type(layer.state) is type(state0)  # one store, extended in place
+        assert layer.get_seq_length() == 500 and layer.state.T == layer.offset
+        pending = layer.state.pending() + layer.tail_length()
+        assert m.residual <= pending <= m.residual + m.group  # the window is kept, whole groups are folded
+    assert cache.get_seq_length() == 500
+    H, d = 2, 16
+    if method == "turboquant":  # the state is exactly a prompt-time state of all its tokens
+        assert cache.layers[0].state.nbytes() == m.nbytes(H, cache.layers[0].offset, d, knobs["bits"])
+    # memory grows by the quantized size: per decoded token well under the 2 x H x d fp16 elements
+    tail = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers) * 4  # fp32 model
+    grown = (cache.nbytes() - tail - start) / (2 * 200)  # per token per layer
+    assert grown < {4: 0.35, 3: 0.3, 2: 0.35}[knobs["bits"]] * 2 * H * d * 2
+    coded = cache.layers[0].state.T - cache.layers[0].state.pending()
+    assert coded - coded0 >= 200 - m.residual - m.group  # the decoded tokens were quantized
+    # outputs: the extra quantization of 200 decoded tokens costs less than quantizing the 300-token prompt
+    assert 0 < _kl(ref, ours) < _kl(full, ref)
+    out = model.generate(ids[:, :305], cache=kvsum.compress(model, ctx, method=method, budget=1.0, **knobs),
+                         max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    assert out.shape == (1, 365)

@@ -90,6 +90,11 @@ class Method:
         """Fraction of each layer's full bytes it may hold; uniform by default."""
         return [budget] * len(inputs)
 
+    def stream(self, layer_idx: int, state: LayerState):
+        """The decoding-time Stream (kvsum.cache.Stream) of layer `layer_idx` given its compressed state, or
+        None (the default: generated tokens stay in the full-precision tail). kvsum.compress attaches it."""
+        return None
+
     @classmethod
     def knobs(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]

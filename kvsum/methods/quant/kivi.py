@@ -2,7 +2,9 @@
 
 Keys have fixed outlier channels, so each key channel gets its own min and scale over a group of
 `group` tokens; values are grouped along channels within each token. The newest `residual` prompt
-tokens (plus the ones that do not fill a whole key group) stay in full precision.
+tokens (plus the ones that do not fill a whole key group) stay in full precision. During decoding the
+generated tokens join that window, and its oldest whole group is quantized as soon as the window holds more
+than `residual` + `group` tokens (kvsum.compress attaches the stream).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ...errors import KVSumError
 from ...state import tensor_bytes
 from ..base import LayerInput, Method, register
 from .packing import Packed, packed_nbytes, pick_bits
+from .stream import QuantStream
 
 SUPPORTED = (2, 4)
 
@@ -36,17 +39,47 @@ def minmax_codes(x: Tensor, dim: int, bits: int) -> tuple[Tensor, Tensor, Tensor
 
 
 class KIVIState:
-    """The first n_q prompt tokens as packed codes (keys per channel, values per token), the rest in full."""
+    """The first n_q tokens as packed codes (keys per channel over `group` tokens, values per token over
+    `ch_group` channels), the newest ones in full precision (`storage`).
+
+    Codes, scales and zero points are held token-major (groups of tokens first), so `extend` appends
+    decoding-time groups to the same stores."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: int, group: int, ch_group: int, n_q: int,
                  storage: torch.dtype):
-        self.H, self.T, self.d = keys.shape
-        self.bits, self.n_q, self.group, self.ch_group = bits, n_q, group, ch_group
-        H, d = self.H, self.d
-        kc, self.k_scale, self.k_min = minmax_codes(keys[:, :n_q].reshape(H, n_q // group, group, d), 2, bits)
-        vc, self.v_scale, self.v_min = minmax_codes(values[:, :n_q].reshape(H, n_q, d // ch_group, ch_group), 3, bits)
-        self.k_codes, self.v_codes = Packed(kc, bits), Packed(vc, bits)
-        self.k_res, self.v_res = keys[:, n_q:].to(storage), values[:, n_q:].to(storage)
+        self.H, _, self.d = keys.shape
+        self.bits, self.group, self.ch_group, self.storage = bits, group, ch_group, storage
+        self.n_q = self.T = 0
+        self.k_res, self.v_res = keys[:, :0].to(storage), values[:, :0].to(storage)
+        self.k_codes = self.v_codes = None
+        self.extend(keys, values, n_q)
+
+    def pending(self) -> int:
+        """Tokens held in full precision."""
+        return self.T - self.n_q
+
+    def extend(self, keys: Tensor, values: Tensor, quantize: int) -> None:
+        """Append keys and values (H, n, d) in full precision, then quantize the `quantize` oldest full-precision
+        tokens (a multiple of the group)."""
+        if quantize % self.group or quantize > self.pending() + keys.shape[1]:
+            raise ValueError(f"kivi: cannot quantize {quantize} tokens in groups of {self.group}")
+        H, d, g, ch = self.H, self.d, self.group, self.ch_group
+        k = torch.cat([self.k_res.float(), keys], 1)
+        v = torch.cat([self.v_res.float(), values], 1)
+        kq, vq = k[:, :quantize], v[:, :quantize]
+        kc, k_scale, k_min = minmax_codes(kq.reshape(H, quantize // g, g, d).transpose(0, 1), 2, self.bits)
+        vc, v_scale, v_min = minmax_codes(vq.reshape(H, quantize, d // ch, ch).transpose(0, 1), 3, self.bits)
+        if self.k_codes is None:
+            self.k_codes, self.v_codes = Packed(kc, self.bits), Packed(vc, self.bits)
+            self.k_scale, self.k_min, self.v_scale, self.v_min = k_scale, k_min, v_scale, v_min
+        else:
+            self.k_codes.append(kc)
+            self.v_codes.append(vc)
+            self.k_scale, self.k_min = torch.cat([self.k_scale, k_scale]), torch.cat([self.k_min, k_min])
+            self.v_scale, self.v_min = torch.cat([self.v_scale, v_scale]), torch.cat([self.v_min, v_min])
+        self.k_res, self.v_res = k[:, quantize:].to(self.storage), v[:, quantize:].to(self.storage)
+        self.n_q += quantize
+        self.T += keys.shape[1]
 
     def lengths(self) -> list[int]:
         return [self.T] * self.H
@@ -57,12 +90,12 @@ class KIVIState:
 
     def keys(self) -> Tensor:
         """All keys (H, T, d): dequantized codes then the full-precision residual."""
-        k = self.k_codes.codes().float() * self.k_scale.float() + self.k_min.float()
-        return torch.cat([k.reshape(self.H, self.n_q, self.d), self.k_res.float()], 1)
+        k = self.k_codes.codes().float() * self.k_scale.float() + self.k_min.float()  # (G, H, group, d)
+        return torch.cat([k.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.k_res.float()], 1)
 
     def values(self) -> Tensor:
-        v = self.v_codes.codes().float() * self.v_scale.float() + self.v_min.float()
-        return torch.cat([v.reshape(self.H, self.n_q, self.d), self.v_res.float()], 1)
+        v = self.v_codes.codes().float() * self.v_scale.float() + self.v_min.float()  # (n_q, H, d / ch, ch)
+        return torch.cat([v.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.v_res.float()], 1)
 
     def scores(self, q: Tensor, scale: float) -> Tensor:
         return q @ self.keys().transpose(-1, -2) * scale
@@ -106,4 +139,13 @@ class KIVI(Method):
         hint = f"; {x.T - n_q} of {x.T} tokens stay in full precision (a smaller residual= frees bytes)"
         bits = pick_bits("kivi", self.bits, SUPPORTED, lambda b: self.nbytes(x.H, x.T, x.d, b, x.storage),
                          x.budget_bytes, full, hint)
-        return KIVIState(x.keys, x.values, bits, self.group, ch, n_q, x.storage)
+        return self.build(x.keys, x.values, bits, x.storage, n_q)
+
+    def build(self, keys: Tensor, values: Tensor, bits: int, storage: torch.dtype, n_q: int | None = None) -> KIVIState:
+        """The state of keys and values (H, T, d) fp32 with the first `n_q` tokens quantized (default: all
+        whole groups beyond the `residual` window)."""
+        n, ch = self.layout(keys.shape[1], keys.shape[2])
+        return KIVIState(keys, values, bits, self.group, ch, n if n_q is None else n_q, storage)
+
+    def stream(self, layer_idx: int, state) -> QuantStream | None:
+        return QuantStream(self.group, self.residual, live=state) if isinstance(state, KIVIState) else None

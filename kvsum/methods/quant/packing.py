@@ -43,7 +43,10 @@ def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
 
 
 class Packed:
-    """A tensor of b-bit codes held packed; `codes()` unpacks it to its shape (uint8)."""
+    """A tensor of b-bit codes held packed; `codes()` unpacks it to its shape (uint8).
+
+    `append` grows it along its first dimension in place, still one packed store (decoding-time
+    quantization appends a group of tokens at a time, so states keep tokens on the first dimension)."""
 
     def __init__(self, codes: Tensor, bits: int):
         self.bits, self.shape = bits, tuple(codes.shape)
@@ -51,6 +54,16 @@ class Packed:
 
     def codes(self) -> Tensor:
         return unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)
+
+    def append(self, codes: Tensor) -> None:
+        """Add codes of shape (n, *shape[1:]) after the current ones."""
+        if tuple(codes.shape[1:]) != self.shape[1:]:
+            raise ValueError(f"cannot append codes of shape {tuple(codes.shape)} to {self.shape}")
+        if math.prod(self.shape) % 8:  # the last byte group is padded: repack (never for 8 | H * d)
+            self.data = pack(torch.cat([self.codes(), codes.to(torch.uint8)]), self.bits)
+        else:
+            self.data = torch.cat([self.data, pack(codes, self.bits)])
+        self.shape = (self.shape[0] + codes.shape[0], *self.shape[1:])
 
     def nbytes(self) -> int:
         return self.data.numel()

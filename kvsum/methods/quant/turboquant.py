@@ -25,6 +25,7 @@ from ...state import tensor_bytes
 from ..base import LayerInput, Method, register
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
+from .stream import QuantStream
 
 SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
 PATHS = ("rotated", "dequant")
@@ -56,46 +57,65 @@ def _idx_dtype(d: int) -> torch.dtype:
 
 class Coded:
     """Lloyd-Max codes of rotated unit directions y (H, T, d): channels `idx_hi` of each head at lo + 1 bits
-    (the largest RMS), the others at lo bits."""
+    (the largest RMS in the first data it sees), the others at lo bits. Codes are held token-major (T, H, c),
+    so `extend` appends decoding-time tokens to the same packed store with the same channel split."""
 
     def __init__(self, y: Tensor, bits: float):
         H, T, d = y.shape
         lo, n_hi = _split(bits, d)
-        self.T, self.d = T, d
+        self.H, self.T, self.d = H, 0, d
         if n_hi:
             order = y.pow(2).mean(1).argsort(-1, descending=True)  # (H, d): channels by RMS
-            idx = [order[:, :n_hi].sort(-1).values, order[:, n_hi:].sort(-1).values]
+            idx = [order[:, :n_hi].sort(-1).values.to(_idx_dtype(d)), order[:, n_hi:].sort(-1).values.to(_idx_dtype(d))]
             widths = [lo + 1, lo]
         else:
             idx, widths = [None], [lo]
-        self.parts = []
-        for width, ix in zip(widths, idx):
-            levels = codebook(width, d, y.device)
-            part = y if ix is None else y.gather(2, ix[:, None, :].expand(H, T, -1))
-            ix = None if ix is None else ix.to(_idx_dtype(d))
-            self.parts.append((ix, levels, Packed(encode(part, levels), width)))
+        self.parts = [[ix, codebook(width, d, y.device), width, None] for ix, width in zip(idx, widths)]
+        self.extend(y)
+
+    def extend(self, y: Tensor) -> Tensor:
+        """Encode directions y (H, n, d) after the current ones; returns their reconstruction (H, n, d)."""
+        H, n, d = y.shape
+        out = torch.empty_like(y) if self.parts[0][0] is not None else None
+        for part in self.parts:
+            ix, levels, width, codes = part
+            sub = y if ix is None else y.gather(2, ix.long()[:, None, :].expand(H, n, -1))
+            c = encode(sub, levels)
+            if codes is None:
+                part[3] = Packed(c.transpose(0, 1), width)
+            else:
+                codes.append(c.transpose(0, 1))
+            if ix is None:
+                out = levels[c.long()]
+            else:
+                out.scatter_(2, ix.long()[:, None, :].expand(H, n, -1), levels[c.long()])
+        self.T += n
+        return out
+
+    @staticmethod
+    def _levels(levels: Tensor, codes: Packed) -> Tensor:
+        return levels[codes.codes().long()].transpose(0, 1)  # (H, T, c)
 
     def lookup(self) -> Tensor:
         """Reconstructed rotated unit directions (H, T, d)."""
-        ix, levels, codes = self.parts[0]
+        ix, levels, _, codes = self.parts[0]
         if ix is None:
-            return levels[codes.codes().long()]
-        H = ix.shape[0]
-        out = torch.empty(H, self.T, self.d, device=levels.device)
-        for ix, levels, codes in self.parts:
-            out.scatter_(2, ix.long()[:, None, :].expand(H, self.T, -1), levels[codes.codes().long()])
+            return self._levels(levels, codes)
+        out = torch.empty(self.H, self.T, self.d, device=levels.device)
+        for ix, levels, _, codes in self.parts:
+            out.scatter_(2, ix.long()[:, None, :].expand(self.H, self.T, -1), self._levels(levels, codes))
         return out
 
     def dot(self, qr: Tensor) -> Tensor:
         """Rotated queries qr (1, H, M, d) against the reconstructed directions -> (1, H, M, T)."""
         s = 0
-        for ix, levels, codes in self.parts:
+        for ix, levels, _, codes in self.parts:
             part = qr if ix is None else qr.gather(3, ix.long()[None, :, None, :].expand(*qr.shape[:3], -1))
-            s = s + part @ levels[codes.codes().long()].transpose(-1, -2)
+            s = s + part @ self._levels(levels, codes).transpose(-1, -2)
         return s
 
     def nbytes(self) -> int:
-        return sum(tensor_bytes(ix, levels) + codes.nbytes() for ix, levels, codes in self.parts)
+        return sum(tensor_bytes(ix, levels) + codes.nbytes() for ix, levels, _, codes in self.parts)
 
 
 def coded_nbytes(H: int, T: int, d: int, bits: float) -> int:
@@ -119,22 +139,48 @@ def qjl_estimate(q: Tensor, signs: Tensor, r_norm: Tensor, S: Tensor) -> Tensor:
 
 
 class TurboQuantState:
-    """A layer's keys and values as rotated Lloyd-Max codes, fp16 norms (and a QJL sketch of the key residuals)."""
+    """A layer's keys and values as rotated Lloyd-Max codes, fp16 norms (and a QJL sketch of the key residuals).
+
+    `extend` quantizes decoding-time tokens into the same stores (same rotation, codebooks, channel split)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
                  path: str):
-        self.H, self.T, self.d = keys.shape
+        self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
-        Rf = R.float()
-        yk, self.k_norm = self._directions(keys, Rf)
-        yv, self.v_norm = self._directions(values, Rf)
-        self.k = Coded(yk, bits - 1 if qjl else bits)
-        self.v = Coded(yv, bits)
-        self.signs = self.r_norm = None
-        if qjl:
-            resid = keys @ Rf.t() - self.k_norm.float()[..., None] * self.k.lookup()  # in the rotated basis
-            signs, r_norm = qjl_encode(resid, S.float())
-            self.signs, self.r_norm = Packed(signs, 1), r_norm.half()
+        self.T = 0
+        self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
+        self.extend(keys, values)
+
+    def pending(self) -> int:
+        """Tokens held in full precision, waiting for a group (none: every token is coded at once)."""
+        return 0
+
+    def extend(self, keys: Tensor, values: Tensor, quantize: int | None = None) -> None:
+        """Append keys and values (H, n, d), all quantized (`quantize`, if given, must be n)."""
+        n = keys.shape[1]
+        if quantize is not None and quantize != n:
+            raise ValueError("turboquant quantizes every appended token")
+        Rf = self.R.float()
+        yk, k_norm = self._directions(keys, Rf)
+        yv, v_norm = self._directions(values, Rf)
+        if self.k is None:
+            self.k, self.v = Coded(yk, self.bits - 1 if self.qjl else self.bits), Coded(yv, self.bits)
+            k_hat = self.k.lookup()
+        else:
+            k_hat = self.k.extend(yk)
+            self.v.extend(yv)
+        self.k_norm = k_norm if self.k_norm is None else torch.cat([self.k_norm, k_norm], 1)
+        self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
+        if self.qjl:
+            resid = keys @ Rf.t() - k_norm.float()[..., None] * k_hat  # in the rotated basis
+            signs, r_norm = qjl_encode(resid, self.S.float())
+            signs = signs.transpose(0, 1)  # token-major, as the codes
+            if self.signs is None:
+                self.signs, self.r_norm = Packed(signs, 1), r_norm.half()
+            else:
+                self.signs.append(signs)
+                self.r_norm = torch.cat([self.r_norm, r_norm.half()], 1)
+        self.T += n
 
     @staticmethod
     def _directions(x: Tensor, Rf: Tensor) -> tuple[Tensor, Tensor]:
@@ -148,9 +194,12 @@ class TurboQuantState:
         n = self.k.nbytes() + self.v.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.R, self.S, self.r_norm)
         return n + (self.signs.nbytes() if self.signs is not None else 0)
 
+    def _signs(self) -> Tensor:
+        return self.signs.codes().transpose(0, 1)  # (H, T, m)
+
     def _qjl_keys(self) -> Tensor:
         """The QJL correction of the keys in the rotated basis: sqrt(pi/2) / m |r| S^T sign(S r)."""
-        pm = self.signs.codes().float() * 2 - 1
+        pm = self._signs().float() * 2 - 1
         return math.sqrt(math.pi / 2) / self.S.shape[0] * self.r_norm.float()[..., None] * (pm @ self.S.float())
 
     def keys(self) -> Tensor:
@@ -169,8 +218,7 @@ class TurboQuantState:
         qr = q @ self.R.float().t()
         s = self.k.dot(qr) * self.k_norm.float()[None, :, None, :]
         if self.signs is not None:
-            signs = self.signs.codes().bool()
-            s = s + qjl_estimate(qr, signs, self.r_norm.float(), self.S.float())
+            s = s + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(), self.S.float())
         return s * scale
 
     def mix(self, p: Tensor) -> Tensor:
@@ -184,7 +232,8 @@ class TurboQuantState:
 class TurboQuant(Method):
     """`bits` per coordinate on average over keys and values (None: the largest in SUPPORTED that fits the
     budget); with `qjl` keys spend one of them on the QJL sketch. The rotation and the QJL matrix are held in
-    fp16 and counted in nbytes."""
+    fp16 and counted in nbytes. During decoding, generated tokens are quantized `group` at a time once more
+    than `residual` + `group` of them are held in full precision."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
@@ -192,6 +241,18 @@ class TurboQuant(Method):
     qjl: bool = False
     seed: int = 0
     path: str = "rotated"
+    group: int = 32
+    residual: int = 0
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise KVSumError(f"turboquant: path={self.path!r}; accepted: {', '.join(PATHS)}")
+        if self.group < 1 or self.residual < 0:
+            raise KVSumError(f"turboquant: need group >= 1 and residual >= 0, got group={self.group}, "
+                             f"residual={self.residual}")
+
+    def supported(self) -> list:
+        return [b for b in SUPPORTED if b >= 2] if self.qjl else list(SUPPORTED)
 
     def nbytes(self, H: int, T: int, d: int, bits: float) -> int:
         """Exactly what a state of (H, T, d) keys and values at `bits` holds."""
@@ -201,14 +262,18 @@ class TurboQuant(Method):
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         return n
 
+    def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int) -> TurboQuantState:
+        """The state of keys and values (H, T, d) fp32 at `bits`, with layer `layer_idx`'s rotation."""
+        seed = self.seed * 1_000_003 + 2 * layer_idx
+        R = rotation(keys.shape[-1], seed).to(torch.float16).to(keys.device)
+        S = gaussian(keys.shape[-1], seed + 1).to(torch.float16).to(keys.device) if self.qjl else None
+        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path)
+
     def compress(self, x: LayerInput) -> TurboQuantState:
-        if self.path not in PATHS:
-            raise KVSumError(f"turboquant: path={self.path!r}; accepted: {', '.join(PATHS)}")
-        supported = [b for b in SUPPORTED if b >= 2] if self.qjl else list(SUPPORTED)
         full = 2 * x.H * x.T * x.d * 2
-        bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, supported,
+        bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
                          lambda b: self.nbytes(x.H, x.T, x.d, b), x.budget_bytes, full)
-        seed = self.seed * 1_000_003 + 2 * x.layer_idx
-        R = rotation(x.d, seed).to(torch.float16).to(x.keys.device)
-        S = gaussian(x.d, seed + 1).to(torch.float16).to(x.keys.device) if self.qjl else None
-        return TurboQuantState(x.keys, x.values, bits, self.qjl, R, S, self.path)
+        return self.build(x.keys, x.values, bits, x.layer_idx)
+
+    def stream(self, layer_idx: int, state) -> QuantStream | None:
+        return QuantStream(self.group, self.residual, live=state) if isinstance(state, TurboQuantState) else None
