@@ -2,6 +2,7 @@
 
 from .cache import Cache
 from .compress import compress, compress_prefill, prefill
+from .decoding import DecodingEviction
 from .errors import KVSumError
 from .methods import REGISTRY as _REGISTRY
 from .methods import LayerInput, Method, register
@@ -16,5 +17,5 @@ def methods() -> dict[str, str]:
     return {name: cls.summary for name, cls in sorted(_REGISTRY.items())}
 
 
-__all__ = ["Cache", "EntryState", "KVSumError", "LayerInput", "LayerState", "Method", "compress",
+__all__ = ["Cache", "DecodingEviction", "EntryState", "KVSumError", "LayerInput", "LayerState", "Method", "compress",
            "compress_prefill", "load_model", "methods", "prefill", "register"]

@@ -29,11 +29,16 @@ def group_attention(x: LayerInput, h: int, rows: Tensor | None = None) -> Tensor
         raise KVSumError("this eviction method needs the reference queries (LayerInput.queries)")
     G = x.queries.shape[0] // x.H
     q, pos = x.queries[h * G:(h + 1) * G].float(), x.query_pos
+    # decoding-time eviction (kvsum.decoding) says per head which entries each query may see
+    hidden = x.hidden[h] if getattr(x, "hidden", None) is not None else None
     if rows is not None:
         q, pos = q[:, rows], pos[rows]
+        hidden = hidden[rows] if hidden is not None else None
     logits = q @ x.keys[h].float().T * x.scale
-    hidden = torch.arange(x.T, device=logits.device)[None, :] > pos.to(logits.device)[:, None]  # (m, T)
-    return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+    if hidden is None:
+        hidden = torch.arange(x.T, device=logits.device)[None, :] > pos.to(logits.device)[:, None]  # (m, T)
+    # nan_to_num: a query that sees nothing (all it saw was evicted) votes for nothing
+    return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1).nan_to_num_(0.0)
 
 
 def time_order(x: LayerInput) -> Tensor:
