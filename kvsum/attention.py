@@ -118,9 +118,23 @@ def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tens
             m = torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
         s_tail = (s_tail.view(1, H, G, q_len, -1) + m.float()).view(1, H, G * q_len, -1)
     n = s_state.shape[-1]
-    p = torch.softmax(torch.cat([s_state, s_tail], dim=-1), dim=-1)
+    # nan_to_num: a row with nothing to attend (a padding query over an empty state) gives zeros, not NaN
+    p = torch.softmax(torch.cat([s_state, s_tail], dim=-1), dim=-1).nan_to_num_(0.0)
     out = state.mix(p[..., :n]) + p[..., n:] @ value.float()
     return out.view(1, H * G, q_len, d).transpose(1, 2).to(query.dtype)
+
+
+def batch_attention(states: list, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                    scaling: float) -> Tensor:
+    """joint_attention per sequence: sequence b's queries over its own state and its row of the tail
+    (the tail is uniform across the batch; its mask row hides any padding in it)."""
+    if len(states) != query.shape[0]:
+        raise KVSumError(f"the cache holds {len(states)} sequences, the model input {query.shape[0]}")
+    outs = []
+    for b, state in enumerate(states):
+        m = None if mask is None else mask[b:b + 1] if mask.shape[0] > 1 else mask
+        outs.append(joint_attention(state, query[b:b + 1], key[b:b + 1], value[b:b + 1], m, scaling))
+    return torch.cat(outs)
 
 
 def _make(base: str):
@@ -129,14 +143,16 @@ def _make(base: str):
         if observer is not None:
             observer.observe(query)
         capture = getattr(_local, "capture", None)
-        if capture is not None:
+        if capture is not None and getattr(module, "sliding_window", None) is None:  # window layers: never compressed
             capture.add(module.layer_idx, query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
         if state is None:
             fn = sdpa_attention_forward if base == "sdpa" else _eager_of(module)
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if query.shape[0] != 1:
-            raise KVSumError("compressed caches hold one sequence; got a batch of " f"{query.shape[0]}")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if getattr(state, "per_sequence", False):  # a batch: every sequence attends over its own state
+            return batch_attention(state.states, query, key, value, attention_mask, scale), None
+        if query.shape[0] != 1:
+            raise KVSumError(f"this compressed cache holds one sequence; got a batch of {query.shape[0]}")
         return joint_attention(state, query, key, value, attention_mask, scale), None
 
     attention.__name__ = f"kvsum_{base}"

@@ -3,6 +3,13 @@
 Logical length (tokens seen) drives RoPE positions and generate()'s input slicing; the attention
 mask only covers the tail, placed at its absolute positions (kv_offset = tokens not in the tail),
 and the compressed entries are always visible to the tokens that follow them.
+
+Sliding-window layers (Gemma 3's local layers) are transformers' own `DynamicSlidingWindowLayer`:
+already bounded by their window, they are never compressed and attend through transformers' code.
+
+Batches: every sequence is compressed on its own (`BatchState` holds one state per sequence, ragged
+lengths for real); the prompt length in the cache is the padded length for all of them, so positions,
+masks and the tail of new tokens stay uniform across the batch.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from typing import Protocol
 
 import torch
 import transformers
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention import hand_over
 from .errors import KVSumError
@@ -27,12 +34,41 @@ class Stream(Protocol):
     the attention call that follows sees the result. The `fresh` newest tail tokens (this update's) must
     stay in the tail: state entries are visible to every query, so folding them would break causality.
     `observe(query)` receives that call's queries
-    (1, Hq, q, d), for streams that score entries by recent attention.
+    (1, Hq, q, d), for streams that score entries by recent attention. Streams see one sequence: a
+    batch cache refuses them.
     """
 
     def step(self, layer: KVSumLayer, fresh: int) -> None: ...
 
     def observe(self, query: torch.Tensor) -> None: ...
+
+
+class BatchState:
+    """One compressed state per sequence of a batch; each was compressed alone, so lengths are ragged
+    across sequences (and heads) and held for real. Attention loops over the sequences."""
+
+    per_sequence = True
+
+    def __init__(self, states: list[LayerState]):
+        self.states = list(states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def nbytes(self) -> int:
+        # a state repeated for beams or samples is one object, held once
+        return sum(s.nbytes() for s in {id(s): s for s in self.states}.values())
+
+    def lengths(self) -> list[int]:
+        """Entries held per KV head, summed over the sequences."""
+        return [sum(n) for n in zip(*(s.lengths() for s in self.states))]
+
+    def select(self, index) -> BatchState:
+        return BatchState([self.states[int(i)] for i in index])
+
+
+def _as_batch(state) -> BatchState:
+    return state if isinstance(state, BatchState) else BatchState([state])
 
 
 class KVSumLayer(DynamicLayer):
@@ -71,10 +107,10 @@ class KVSumLayer(DynamicLayer):
         return held + (self.state.nbytes() if self.state is not None else 0)
 
     def lengths(self) -> list[int]:
-        """Entries held per KV head (compressed entries + tail)."""
+        """Entries held per KV head (compressed entries + tail; summed over a batch's sequences)."""
         if not self.is_initialized:
             return []
-        t = self.tail_length()
+        t = self.tail_length() * self.keys.shape[0]
         if self.state is None:
             return [t] * self.keys.shape[1]
         return [n + t for n in self.state.lengths()]
@@ -88,61 +124,156 @@ class KVSumLayer(DynamicLayer):
             raise KVSumError("cannot crop into the compressed part of a kvsum cache")
         super().crop(tokens_to_remove)
 
-    def _batch_op(self, name, *args):
-        if self.state is not None:
-            raise KVSumError(f"{name} is not supported on a compressed cache (it holds one sequence)")
-        getattr(super(), name)(*args)
-
+    # beam search and num_return_sequences reorder, repeat and select sequences: the states follow
     def reorder_cache(self, beam_idx):
-        self._batch_op("reorder_cache", beam_idx)
+        super().reorder_cache(beam_idx)
+        if self.state is not None:
+            self.state = _as_batch(self.state).select(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int):
-        self._batch_op("batch_repeat_interleave", repeats)
+        super().batch_repeat_interleave(repeats)
+        if self.state is not None:
+            self.state = BatchState([s for s in _as_batch(self.state).states for _ in range(repeats)])
 
     def batch_select_indices(self, indices):
-        self._batch_op("batch_select_indices", indices)
+        super().batch_select_indices(indices)
+        if self.state is not None:
+            self.state = _as_batch(self.state).select(torch.as_tensor(indices).tolist())
+
+
+class KVSumSlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer exactly as transformers holds it (the last window - 1 tokens); never
+    compressed, so its attention is transformers' own. Bytes are counted like any other layer's."""
+
+    state = None
+    offset = 0
+    stream = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        hand_over(None)
+        return out
+
+    def tail_length(self) -> int:
+        return 0 if not self.is_initialized else self.keys.shape[-2]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values) if self.is_initialized else 0
+
+    def lengths(self) -> list[int]:
+        if not self.is_initialized:
+            return []
+        return [self.tail_length() * self.keys.shape[0]] * self.keys.shape[1]
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, H, n, d) -> (1, H, length, d), zeros first: the layout of a left-padded batch."""
+    if t.shape[-2] == length:
+        return t
+    pad = t.new_zeros(*t.shape[:-2], length - t.shape[-2], t.shape[-1])
+    return torch.cat([pad, t], dim=-2)
 
 
 class Cache(transformers.Cache):
     """A transformers Cache of `KVSumLayer`s; pass it to `model.generate(..., past_key_values=cache)`.
 
-    `reference_nbytes` is the size of the full cache for the compressed prompt at 16 bits per
-    element, the unit in which budgets are expressed.
+    `windows[i]` is the sliding window of layer i, or None for a global layer (the only kind compressed).
+    Bytes: `nbytes()` counts every tensor held, sliding layers included; `reference_nbytes` is the full
+    cache of the prompt at 16 bits per element as transformers would hold it (sliding layers at their
+    window); the budget is a fraction of `budget_reference_nbytes`, the same for the global layers alone
+    (equal to `reference_nbytes` on models without sliding layers), and `budget_nbytes()` is what those
+    layers hold. With a batch, all of these are summed over its sequences.
     """
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[KVSumLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, windows: list[int | None] | None = None):
+        windows = windows or [None] * num_layers
+        if len(windows) != num_layers:
+            raise KVSumError(f"windows needs one entry per layer ({num_layers}), got {len(windows)}")
+        super().__init__(layers=[KVSumLayer() if w is None else KVSumSlidingLayer(sliding_window=w)
+                                 for w in windows])
+        self.windows = list(windows)
         self.reference_nbytes = 0
+        self.budget_reference_nbytes = 0
         self.method = "full"
         self.budget = 1.0
 
+    @property
+    def batch_size(self) -> int:
+        layer = self.layers[0]
+        return layer.keys.shape[0] if layer.is_initialized else 1
+
     def attach(self, make_stream: Callable[[int], Stream | None]) -> Cache:
-        """Give layer i the decoding-time stream make_stream(i) (None leaves it alone); returns self."""
+        """Give global layer i the decoding-time stream make_stream(i) (None leaves it alone); returns self.
+        Sliding-window layers keep transformers' behaviour and get none."""
+        if self.batch_size != 1:
+            raise KVSumError(f"streams hold one sequence; this cache holds a batch of {self.batch_size}")
         for i, layer in enumerate(self.layers):
-            layer.stream = make_stream(i)
+            if isinstance(layer, KVSumLayer):
+                layer.stream = make_stream(i)
         return self
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (compressed states and tails)."""
+        """Bytes of every tensor the cache holds (compressed states, tails, sliding windows)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def budget_nbytes(self) -> int:
+        """Bytes held by the layers the budget governs (the global, non-sliding ones)."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, KVSumLayer))
+
+    def window_nbytes(self) -> int:
+        """Bytes held by the sliding-window layers (uncompressed, at most window - 1 tokens each)."""
+        return self.nbytes() - self.budget_nbytes()
 
     def ratio(self) -> float:
         """nbytes() over the full 16-bit cache of the compressed prompt."""
         return self.nbytes() / self.reference_nbytes if self.reference_nbytes else float("nan")
 
     def stats(self) -> list[dict]:
-        """Per layer and KV head: entries held, bytes, ratio to the full fp16 cache of the tokens seen."""
+        """Per layer and KV head: entries held, bytes, ratio to the full fp16 cache of the tokens seen
+        (summed over a batch's sequences; `sliding` marks transformers' window layers)."""
         rows = []
         for i, layer in enumerate(self.layers):
             lengths = layer.lengths()
             if not lengths:
                 continue
             seen, d = layer.get_seq_length(), layer.keys.shape[-1]
-            head_full = 2 * seen * d * 2
+            head_full = 2 * seen * d * 2 * layer.keys.shape[0]
             layer_bytes = layer.nbytes()
             total = sum(lengths) or 1
             for h, n in enumerate(lengths):
                 share = layer_bytes * n / total  # a layer's bytes split over its heads by entries held
                 rows.append(dict(layer=i, head=h, entries=n, tokens_seen=seen, bytes=round(share),
-                                 ratio=share / head_full if head_full else float("nan")))
+                                 ratio=share / head_full if head_full else float("nan"),
+                                 sliding=isinstance(layer, KVSumSlidingLayer)))
         return rows
+
+    @classmethod
+    def stack(cls, caches: list[Cache], length: int) -> Cache:
+        """One batch cache from per-sequence caches (batch 1 each, prompts of ragged lengths), laid out as
+        a left-padded batch of prompt length `length`: compressed layers hold each sequence's state with
+        the uniform offset `length`; uncompressed and sliding layers are left-padded with zeros, which the
+        attention mask of the padded batch hides."""
+        first = caches[0]
+        out = cls(len(first.layers), first.windows)
+        for i, dst in enumerate(out.layers):
+            src = [c.layers[i] for c in caches]
+            if isinstance(dst, KVSumSlidingLayer):
+                keep = min(length, dst.sliding_window - 1)
+                keys = torch.cat([_left_pad(s.keys, keep) for s in src])
+                values = torch.cat([_left_pad(s.values, keep) for s in src])
+                dst.lazy_initialization(keys, values)
+                dst.keys, dst.values, dst.cumulative_length = keys, values, length
+            elif all(s.state is None for s in src):
+                keys = torch.cat([_left_pad(s.keys, length) for s in src])
+                dst.set_state(None, 0, keys[:, :, :0])
+                dst.keys, dst.values = keys, torch.cat([_left_pad(s.values, length) for s in src])
+            else:
+                if any(s.state is None or s.tail_length() for s in src):
+                    raise KVSumError("Cache.stack needs every sequence compressed, with no tail yet")
+                states = [s.state for s in src]
+                state = states[0] if len(states) == 1 else BatchState(states)
+                dst.set_state(state, length, torch.cat([s.keys for s in src]))
+        for name in ("reference_nbytes", "budget_reference_nbytes"):
+            setattr(out, name, sum(getattr(c, name) for c in caches))
+        out.method, out.budget = first.method, first.budget
+        return out

@@ -47,10 +47,10 @@ def test_bad_arguments(tiny, ids, kwargs, match):
 
 @pytest.mark.parametrize("bad, match", [
     (torch.zeros(1, 0, dtype=torch.long), "empty"),
-    (torch.zeros(2, 5, dtype=torch.long), "batch size 2"),
+    (torch.full((2, 5), 128), r"token ids in \[0, 128\)"),
     (torch.zeros(1, 5), "integer torch.Tensor"),
     (torch.zeros(1, 5000, dtype=torch.long), "longer than the model's window"),
-    (torch.zeros(1, 1, 5, dtype=torch.long), r"shape \(1, T\)"),
+    (torch.zeros(1, 1, 5, dtype=torch.long), r"shape \(B, T\)"),
     ([1, 2, 3], "integer torch.Tensor"),
 ])
 def test_bad_input_ids(tiny, bad, match):
