@@ -101,7 +101,12 @@ class Method:
 
 
 def make_method(name: str, **knobs) -> Method:
-    """Build a registered method from its name and keyword knobs, with clear errors for either."""
+    """Build a registered method from its name and keyword knobs, with clear errors for either.
+    "a+b" composes a method with a quantizer (kvsum/methods/compose.py says how knobs are routed)."""
+    if isinstance(name, str) and "+" in name:
+        from .compose import compose
+
+        return compose(name, **knobs)
     if name not in REGISTRY:
         raise KVSumError(f"unknown method {name!r}; accepted: {', '.join(sorted(REGISTRY))}")
     cls = REGISTRY[name]

@@ -1,0 +1,172 @@
+"""Composition: `method="a+b"` keeps what method `a` (eviction or summary) selects and stores it with quantizer `b`.
+
+One byte budget covers the total. Quantized entries are cheaper than 16-bit ones, so `a` is given the
+budget of as many 16-bit entries (with a bias) as the quantized entries (+ their fp16 bias) fit in the
+layer's bytes; the quantizer runs at a fixed bit width (its `bits`, else DEFAULT_BITS). Summary entries'
+log-mass biases stay in fp16. Knobs go to the method that declares them; a knob both declare (`seed`,
+`window` ...) must be prefixed with its method's name and an underscore (`snapkv_window=32`,
+`kivi_residual=0`), which works for any knob. Tokens generated while decoding are quantized by `b`'s
+stream into a second, extendable state beside the composed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import KVSumError
+from ..state import EntryState, tensor_bytes
+from .base import REGISTRY, LayerInput, Method
+from .quant.stream import QuantStream
+
+QUANTIZERS = ("turboquant", "kivi")
+DEFAULT_BITS = {"turboquant": 3, "kivi": 2}
+
+
+class ComposedState:
+    """Kept entries (all heads) quantized as one state, with fp16 biases. Equal lengths per head: the
+    quantizer sees (H, n, d). Ragged lengths: it sees the packed entries as one head (1, N, d), every
+    query is scored against all of them and other heads' entries are masked, as EntryState does."""
+
+    def __init__(self, inner, lengths: list[int], bias: Tensor | None, head_of: Tensor | None):
+        self.inner, self._lengths, self.bias, self.head_of = inner, list(lengths), bias, head_of
+
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes() + tensor_bytes(self.bias, self.head_of)
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        _, H, M, d = q.shape
+        if self.head_of is None:
+            s = self.inner.scores(q, scale)
+            return s if self.bias is None else s + self.bias.float().view(1, H, 1, -1)
+        s = self.inner.scores(q.reshape(1, 1, H * M, d), scale).view(1, H, M, -1)
+        if self.bias is not None:
+            s = s + self.bias.float()
+        own = self.head_of.long().view(1, 1, 1, -1) == torch.arange(H, device=q.device).view(1, -1, 1, 1)
+        return s.masked_fill(~own, float("-inf"))
+
+    def mix(self, p: Tensor) -> Tensor:
+        if self.head_of is None:
+            return self.inner.mix(p)
+        _, H, M, N = p.shape
+        return self.inner.mix(p.reshape(1, 1, H * M, N)).view(1, H, M, -1)
+
+
+@dataclass
+class Composed(Method):
+    """`first` selects or fits entries, `quant` stores them; built by make_method("first+quant", ...)."""
+
+    first: Method = None
+    quant: Method = None
+
+    def __post_init__(self):
+        self.name = f"{self.first.name}+{self.quant.name}"
+        self.summary = f"{self.first.name} entries stored by {self.quant.name}"
+        self.needs_queries = self.first.needs_queries
+        self.bits = self.quant.bits if self.quant.bits is not None else DEFAULT_BITS[self.quant.name]
+        supported = self.quant.supported() if hasattr(self.quant, "supported") else (2, 4)
+        if self.bits not in supported:
+            raise KVSumError(f"{self.name}: bits={self.bits!r} is not supported; accepted: "
+                             f"{', '.join(map(str, supported))}")
+        self._storage = {}
+
+    def prefill_options(self) -> dict:
+        return self.first.prefill_options()
+
+    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        return self.first.layer_budgets(inputs, budget)  # the first method's shape over layers, in total bytes
+
+    def _quant_nbytes(self, x: LayerInput, n: int, bias: bool) -> int:
+        """Bytes of n quantized entries per head (with fp16 biases)."""
+        q = self.quant
+        inner = q.nbytes(x.H, n, x.d, self.bits, x.storage) if q.name == "kivi" else q.nbytes(x.H, n, x.d, self.bits)
+        return inner + 2 * x.H * n * bias
+
+    def _target(self, x: LayerInput, bias: bool) -> int:
+        """The first method's budget: the 16-bit bytes of the most entries per head whose quantized bytes fit."""
+        lo, hi = 0, x.T
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._quant_nbytes(x, mid, bias) <= x.budget_bytes else (lo, mid - 1)
+        if lo == 0:
+            full = 2 * x.H * x.T * x.d * 2
+            raise KVSumError(f"{self.name}: the budget {x.budget_bytes / full:.4f} does not fit one entry per head "
+                             f"at {self.bits} bits (fixed costs of {self.quant.name}); raise the budget or lower bits")
+        return lo * x.H * x.entry_bytes(bias)
+
+    def _build(self, keys: Tensor, values: Tensor, layer_idx: int, storage: torch.dtype, all_coded: bool = False):
+        if self.quant.name == "kivi":
+            return self.quant.build(keys, values, self.bits, storage, keys.shape[1] if all_coded else None)
+        return self.quant.build(keys, values, self.bits, layer_idx)
+
+    def compress(self, x: LayerInput) -> ComposedState:
+        bias = True  # assume fitted entries with biases; redo once without if the first method keeps plain ones
+        target = self._target(x, bias)
+        for _ in range(3):  # entry counts of ragged heads differ a little from the estimate: shrink if over
+            kept = self.first.compress(dataclasses.replace(x, budget_bytes=target))
+            if not isinstance(kept, EntryState):
+                raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
+                                 "entries can be quantized (for summary: lowrank_share=0)")
+            state = self.quantize(kept, x)
+            if bias and kept.bias is None:
+                bias, target = False, self._target(x, False)
+                continue
+            if state.nbytes() <= x.budget_bytes:
+                break
+            target = int(target * 0.98 * x.budget_bytes / state.nbytes())
+        self._storage[x.layer_idx] = x.storage
+        return state
+
+    def quantize(self, kept: EntryState, x: LayerInput) -> ComposedState:
+        k, v, lengths = kept.keys.float(), kept.values.float(), kept.lengths()
+        if kept.uniform:
+            inner = self._build(k.view(x.H, lengths[0], x.d), v.view(x.H, lengths[0], x.d), x.layer_idx, x.storage)
+        else:
+            inner = self._build(k[None], v[None], x.layer_idx, x.storage)
+        bias = kept.bias.half() if kept.bias is not None else None
+        return ComposedState(inner, lengths, bias, kept.head_of)
+
+    def stream(self, layer_idx: int, state) -> QuantStream | None:
+        storage = self._storage.get(layer_idx, torch.float16)
+        return QuantStream(self.quant.group, self.quant.residual,
+                           new=lambda k, v: self._build(k, v, layer_idx, storage, all_coded=True))
+
+
+def compose(name: str, **knobs) -> Composed:
+    """The Composed method of a name "first+quantizer", its knobs routed (see the module docstring)."""
+    from .base import make_method
+
+    parts = name.split("+")
+    if len(parts) != 2 or not all(parts):
+        raise KVSumError(f"a composed method is 'method+quantizer' (e.g. 'summary+turboquant'), got {name!r}")
+    first, quant = parts
+    for p in parts:
+        if p not in REGISTRY:
+            raise KVSumError(f"unknown method {p!r} in {name!r}; accepted: {', '.join(sorted(REGISTRY))}")
+    if quant not in QUANTIZERS:
+        raise KVSumError(f"{name!r}: the second method must be a quantizer; accepted: {', '.join(QUANTIZERS)}")
+    if first in QUANTIZERS or first == "full":
+        raise KVSumError(f"{name!r}: the first method must select or fit entries (eviction or summary), got {first!r}")
+    own = {first: set(REGISTRY[first].knobs()), quant: set(REGISTRY[quant].knobs())}
+    routed = {first: {}, quant: {}}
+    for key, value in knobs.items():
+        for m in parts:
+            if key.startswith(m + "_") and key[len(m) + 1:] in own[m]:
+                routed[m][key[len(m) + 1:]] = value
+                break
+        else:
+            holders = [m for m in parts if key in own[m]]
+            if len(holders) == 2:
+                raise KVSumError(f"{name!r}: knob {key!r} belongs to both methods; "
+                                 f"write {first}_{key} or {quant}_{key}")
+            if not holders:
+                accepted = sorted(f"{m}_{k}" if k in own[first] & own[quant] else k for m in parts for k in own[m])
+                raise KVSumError(f"{name!r} has no knob {key!r}; accepted: {', '.join(dict.fromkeys(accepted))}")
+            routed[holders[0]][key] = value
+    return Composed(first=make_method(first, **routed[first]), quant=make_method(quant, **routed[quant]))
