@@ -108,6 +108,63 @@ def cmd_calibrate(args) -> None:
           f"artifact {m['nbytes'] / 2**20:.1f} MiB, {m['n_knobs']} knobs -> {out}")
 
 
+def cmd_stability(args) -> None:
+    import json
+    from pathlib import Path
+
+    from .models import cache_dir
+    from .report.specs import Store, method_specs
+    from .stability import Settings, markdown, run
+
+    settings = Settings(model=args.model, dtypes=[d.strip() for d in args.dtypes.split(",")], prompts=args.prompts,
+                        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                        budget=_budgets(args.budget)[0], seed=args.seed).check()
+    specs, notes = method_specs([m.strip() for m in args.method.split(",")], args.model, skip=("full",))
+    store = Store(Path(args.cache) if args.cache else cache_dir() / "stability", fresh=args.fresh)
+    deadline = time.time() + args.time_limit if args.time_limit else None
+    result = run(settings, specs, store, deadline=deadline, threads=args.threads)
+    result["notes"] = notes
+    result["command"] = "kvsum " + " ".join(sys.argv[1:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    md = markdown(result) + "".join(f"\n- {n}" for n in notes) + f"\n\nCommand: `{result['command']}`\n"
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out}.json and {out}.md ({store.hits} cached results reused, "
+          f"{'complete' if result['complete'] else 'INCOMPLETE: run again to finish'})")
+
+
+def cmd_report(args) -> None:
+    from pathlib import Path
+
+    from .models import cache_dir
+    from .report import Settings, build
+    from .report.specs import Store
+
+    tasks = [t.strip() for t in args.task.split(",")]
+    from .eval.tasks import TASKS
+
+    for t in tasks:
+        if t not in TASKS:
+            raise KVSumError(f"--task {t!r} is unknown; accepted: {', '.join(TASKS)}")
+    s = Settings(model=args.model, methods=[m.strip() for m in args.methods.split(",")], budgets=_budgets(args.budgets),
+                 tasks=tasks, length=_ints(args.length, "--length")[0], n=args.n, seed=args.seed,
+                 perf_budget=_budgets(args.perf_budget)[0], short_lengths=_ints(args.short_lengths, "--short-lengths"),
+                 new_tokens=args.new_tokens, scaling_lengths=_ints(args.scaling_lengths, "--scaling-lengths"),
+                 timings=not args.no_timings, threads=args.threads)
+    store = Store(Path(args.cache) if args.cache else cache_dir() / "report", fresh=args.fresh)
+    deadline = time.time() + args.time_limit if args.time_limit else None
+    out = build(s, Path(args.out), store, deadline=deadline, stability_json=Path(args.stability),
+                reconstruct_json=Path("benchmarks/results/reconstruct.json"),
+                command="kvsum " + " ".join(sys.argv[1:]))
+    state = "complete" if out["complete"] else "INCOMPLETE: run the same command again to resume"
+    print(f"wrote {out['html']} and {out['md']}: {out['rows']} rows, {out['cached']} cached results reused, "
+          f"{out['computed']} computed; {state}")
+    for k, v in out["errors"].items():
+        print(f"  error {k}: {v}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsum", description="Compress the KV cache of transformers models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -135,6 +192,42 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default=None, help="output stem (default benchmarks/results/eval_<task>)")
     e.set_defaults(fn=cmd_eval)
+    s = sub.add_parser("stability", help="cache-on vs cache-off per precision, then each method vs the full cache")
+    s.add_argument("--model", default="smollm2")
+    s.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated: fp32, bf16, fp16")
+    s.add_argument("--method", default="all", help="methods compared with the full cache, comma-separated")
+    s.add_argument("--budget", default="0.25", help="the methods' budget")
+    s.add_argument("--prompts", type=int, default=3)
+    s.add_argument("--prompt-tokens", type=int, default=512)
+    s.add_argument("--new-tokens", type=int, default=32)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--time-limit", type=float, default=0, help="seconds; start no new unit after it (resume later)")
+    s.add_argument("--cache", default=None, help="result cache folder (default ~/.cache/kvsum/stability)")
+    s.add_argument("--fresh", action="store_true", help="ignore cached results")
+    s.add_argument("--out", default="benchmarks/results/stability", help="output stem (.json and .md)")
+    s.set_defaults(fn=cmd_stability)
+    r = sub.add_parser("report", help="decision report: accuracy vs bytes, throughput, overhead, complexity, "
+                                      "stability, recommendations (HTML + markdown); resumable")
+    r.add_argument("--model", default="smollm2")
+    r.add_argument("--methods", default="all", help="comma-separated methods, or all")
+    r.add_argument("--budgets", default="0.5,0.25,0.125,0.0625")
+    r.add_argument("--task", default="lm,passkey,multikey", help="comma-separated tasks")
+    r.add_argument("--length", default="2048", help="context length of the evaluation in tokens")
+    r.add_argument("--n", type=int, default=3, help="examples per task")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--perf-budget", default="0.25", help="budget of the timing measurements")
+    r.add_argument("--short-lengths", default="128,512", help="prompt lengths of the throughput measurement")
+    r.add_argument("--new-tokens", type=int, default=32, help="generated tokens per throughput request")
+    r.add_argument("--scaling-lengths", default="1024,2048,4096", help="lengths of the overhead/decode measurement")
+    r.add_argument("--no-timings", action="store_true", help="skip the throughput and scaling measurements")
+    r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--time-limit", type=float, default=0, help="seconds; start no new unit after it (resume later)")
+    r.add_argument("--cache", default=None, help="result cache folder (default ~/.cache/kvsum/report)")
+    r.add_argument("--fresh", action="store_true", help="ignore cached results")
+    r.add_argument("--stability", default="benchmarks/results/stability.json", help="kvsum stability results")
+    r.add_argument("--out", default="benchmarks/results/report", help="output folder")
+    r.set_defaults(fn=cmd_report)
     return p
 
 

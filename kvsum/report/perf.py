@@ -1,0 +1,150 @@
+"""The report's timings, each method measured beside the full cache in the same unit so ratios share one run.
+
+- throughput: short prompts, `new` greedy tokens; time of prefill (+ compression) + decoding, for the full
+  cache (transformers' DynamicCache) and each method always on; tokens per second and the ratio to full.
+- scaling: per context length, plain prefill time and one full-cache decode step, then per method the
+  compression time (on a kvsum prefill that captures what the methods need) and its decode step. Overhead =
+  (kvsum prefill + compress) / plain prefill; decode ratio = method step / full step (median of 5 steps).
+Results are cached per (kind, length, method) like the evaluation, so runs resume.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..compress import compress_prefill, prefill
+from ..eval.tasks import LMFidelity, example_seed
+from ..methods import make_method
+from .specs import Store
+
+
+def _ids(tokenizer, length: int, model) -> torch.Tensor:
+    return LMFidelity(continuation=1).example(tokenizer, length, example_seed(7, 0)).context_ids.to(model.device)
+
+
+@torch.no_grad()
+def _decode(model, first: torch.Tensor, cache, steps: int) -> list[float]:
+    """Per-step seconds of `steps` greedy decode steps on `cache`, starting from token(s) `first`."""
+    x, times = first, []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(x, cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        cache = out.cache
+        x = out.logits[:, -1:].argmax(-1)
+    return times
+
+
+@torch.no_grad()
+def _request_full(model, ids, new: int) -> float:
+    t0 = time.perf_counter()
+    out = model(ids, use_cache=True)
+    _decode(model, out.logits[:, -1:].argmax(-1), out.cache, new - 1)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def _request(model, ids, new: int, name: str, knobs: dict, budget: float) -> tuple[float, float]:
+    """Seconds for one request with the method always on: kvsum prefill, compress, `new` tokens; and the ratio."""
+    method = make_method(name, **knobs)
+    t0 = time.perf_counter()
+    pre = prefill(model, ids[:, :-1], **{k: v for k, v in method.prefill_options().items() if v})
+    cache = compress_prefill(pre, method, budget, consume=True)
+    _decode(model, ids[:, -1:], cache, new)
+    return time.perf_counter() - t0, cache.nbytes() / cache.reference_nbytes
+
+
+def throughput(model, tokenizer, model_name: str, specs, budget: float, lengths: list[int], new: int, threads: int,
+               store: Store, deadline: float | None = None, on_unit: Callable[[str], None] | None = None,
+               errors: dict | None = None):
+    """Rows {length, method, tok_s, full_tok_s, ratio_to_full, bytes_ratio}; and whether all are done.
+
+    A method that raises is noted in `errors` ("throughput <length> <method>" -> message) and left out."""
+    rows, complete = [], True
+    for length in lengths:
+        ids = None
+        for name, knobs in specs:
+            fields = dict(kind="throughput", model=model_name, length=length, new=new, method=name, knobs=knobs,
+                          budget=budget, threads=threads)
+            res = store.get(fields)
+            if res is None and not (deadline is not None and time.time() > deadline):
+                ids = _ids(tokenizer, length, model) if ids is None else ids
+                _request_full(model, ids[:, :16], 2)  # warm-up
+                full = min(_request_full(model, ids, new) for _ in range(2))
+                try:
+                    secs, ratio = min(_request(model, ids, new, name, knobs, budget) for _ in range(2))
+                except Exception as e:
+                    if errors is not None:
+                        errors[f"throughput {length} {name}"] = f"{type(e).__name__}: {e}"
+                    if on_unit:
+                        on_unit(f"throughput {length} {name}")
+                    continue
+                res = dict(length=length, method=name, full_s=full, s=secs, tok_s=new / secs, full_tok_s=new / full,
+                           ratio_to_full=full / secs, bytes_ratio=ratio, new=new, budget=budget)
+                store.put(fields, res)
+            if res is None:
+                complete = False
+            else:
+                rows.append(res)
+            if on_unit:
+                on_unit(f"throughput {length} {name}")
+    return rows, complete
+
+
+def scaling(model, tokenizer, model_name: str, specs, budget: float, lengths: list[int], threads: int,
+            store: Store, deadline: float | None = None, on_unit: Callable[[str], None] | None = None,
+            errors: dict | None = None):
+    """Rows {length, method, prefill_s, kvsum_prefill_s, compress_s, overhead, step_ms, full_step_ms, decode_ratio}."""
+    rows, complete = [], True
+    for length in lengths:
+        base = None
+        for name, knobs in specs:
+            fields = dict(kind="scaling", model=model_name, length=length, method=name, knobs=knobs, budget=budget,
+                          threads=threads)
+            res = store.get(fields)
+            if res is None and not (deadline is not None and time.time() > deadline):
+                if base is None:
+                    base = _baseline(model, tokenizer, length, specs)
+                method = make_method(name, **knobs)
+                t0 = time.perf_counter()
+                try:
+                    cache = compress_prefill(base["pre"], method, budget)
+                    compress_s = time.perf_counter() - t0
+                    step = statistics.median(_decode(model, base["ids"][:, -1:], cache, 6)[1:])
+                except Exception as e:
+                    if errors is not None:
+                        errors[f"scaling {length} {name}"] = f"{type(e).__name__}: {e}"
+                    if on_unit:
+                        on_unit(f"scaling {length} {name}")
+                    continue
+                res = dict(length=length, method=name, prefill_s=base["prefill_s"],
+                           kvsum_prefill_s=base["kvsum_prefill_s"], compress_s=compress_s,
+                           overhead=(base["kvsum_prefill_s"] + compress_s) / base["prefill_s"],
+                           step_ms=1000 * step, full_step_ms=1000 * base["full_step"],
+                           decode_ratio=step / base["full_step"], bytes_ratio=cache.nbytes() / cache.reference_nbytes)
+                store.put(fields, res)
+            if res is None:
+                complete = False
+            else:
+                rows.append(res)
+            if on_unit:
+                on_unit(f"scaling {length} {name}")
+    return rows, complete
+
+
+@torch.no_grad()
+def _baseline(model, tokenizer, length: int, specs) -> dict:
+    ids = _ids(tokenizer, length, model)
+    t0 = time.perf_counter()
+    out = model(ids[:, :-1], use_cache=True)
+    prefill_s = time.perf_counter() - t0
+    full_step = statistics.median(_decode(model, ids[:, -1:], out.cache, 6)[1:])
+    del out
+    opts = {k: v for name, knobs in specs for k, v in make_method(name, **knobs).prefill_options().items() if v}
+    t0 = time.perf_counter()
+    pre = prefill(model, ids[:, :-1], **opts)
+    return dict(ids=ids, pre=pre, prefill_s=prefill_s, kvsum_prefill_s=time.perf_counter() - t0, full_step=full_step)
