@@ -20,8 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
-th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;margin:1em 0}
+table{border-collapse:collapse;margin:1em 0;font-size:13px}th,td{border:1px solid #ccc;padding:3px 7px;text-align:left}
+th{background:#f3f3f3}td.n{text-align:right}img{max-width:100%;display:block;margin:1em 0}
 code{background:#f3f3f3;padding:0 3px}h2{border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:2em}"""
 
 SCRIPT = """window.addEventListener('error',function(e){var b=document.body;
@@ -35,6 +35,12 @@ def _inline_html(text: str) -> str:
     out = html.escape(text)
     out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
     return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", out)
+
+
+def _td(cell) -> str:
+    text = str(cell)
+    num = re.fullmatch(r"[-+]?[\d.,]+(e[-+]?\d+)?( @ \d+)?|[\d]+/[\d]+|-", text) is not None
+    return f'<td class="n">{_inline_html(text)}</td>' if num else f"<td>{_inline_html(text)}</td>"
 
 
 def _png(fig) -> bytes:
@@ -65,8 +71,7 @@ def render(blocks: list[tuple], out_dir: Path, title: str) -> tuple[Path, Path]:
             md += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             md += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows] + [""]
             body.append("<table><tr>" + "".join(f"<th>{_inline_html(h)}</th>" for h in header) + "</tr>"
-                        + "".join("<tr>" + "".join(f"<td>{_inline_html(str(c))}</td>" for c in r) + "</tr>"
-                                  for r in rows) + "</table>")
+                        + "".join("<tr>" + "".join(_td(c) for c in r) + "</tr>" for r in rows) + "</table>")
         elif kind == "plot":
             name, fig = b[1], b[2]
             data = _png(fig)
