@@ -221,11 +221,16 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
                                 res = method_vs_full(model, pre, ids, settings.new_tokens, name, knobs,
                                                      settings.budget, ref)
                         except Exception as e:  # a method that fails in one precision is reported, not fatal
-                            errors.setdefault(dt, {})[name or "floor"] = f"{type(e).__name__}: {e}"
-                            bar.advance(job)
-                            continue
-                        res["seconds"] = time.perf_counter() - t0
-                        store.put(fields, res)
+                            res = dict(error=f"{type(e).__name__}: {e}")
+                            if isinstance(e, KVSumError):  # refused settings: the same next time, so cached
+                                store.put(fields, res)
+                        else:
+                            res["seconds"] = time.perf_counter() - t0
+                            store.put(fields, res)
+                    if "error" in res:
+                        errors.setdefault(dt, {})[name or "floor"] = res["error"]
+                        bar.advance(job)
+                        continue
                     if part == "floor":
                         floor.setdefault(dt, []).append(res)
                     else:

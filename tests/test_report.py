@@ -103,3 +103,14 @@ def test_specs_need_the_artifact(monkeypatch, tmp_path):
 def test_cli_rejects_bad_task(capsys):
     assert cli.main(["report", "--task", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_refused_settings_are_reported_and_cached(tmp_path):
+    s = _settings(methods=["turboquant"], budgets=[0.01], tasks=["lm"], timings=False)
+    first = Store(tmp_path / "c")
+    out = build(s, tmp_path / "out", first, progress=False, model=tiny_llama(), tokenizer=CharTokenizer())
+    assert out["complete"] and "turboquant@0.01" in out["errors"] and "KVSumError" in out["errors"]["turboquant@0.01"]
+    assert "turboquant@0.01" in out["md"].read_text()
+    again = Store(tmp_path / "c")
+    out2 = build(s, tmp_path / "out", again, progress=False, model=tiny_llama(), tokenizer=CharTokenizer())
+    assert again.misses == 0 and out2["errors"] == out["errors"]

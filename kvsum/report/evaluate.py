@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..compress import compress_prefill, prefill
+from ..errors import KVSumError
 from ..eval.metrics import fidelity
 from ..eval.runner import _configs, _row, answer, forced_logits
 from ..eval.tasks import DEPTHS, example_seed, get_task
@@ -47,11 +48,13 @@ def evaluate(model, tokenizer, model_name: str, tasks: list[str], specs: list[tu
                 done = _run_example(model, tokenizer, t, _example(t, tokenizer, length, seed, i),
                                     [configs[j] for j in missing], deadline)
                 for j, rec in zip(missing, done):
-                    if "error" in rec:
-                        errors[f"{configs[j][0]}@{configs[j][2]:g}"] = rec["error"]
-                        continue
-                    store.put(fields[j], rec)
+                    if "error" not in rec or rec.get("deterministic"):
+                        store.put(fields[j], rec)  # a KVSumError (e.g. a budget too small) stays one
                     have[j] = rec
+            for j, h in enumerate(have):
+                if h is not None and "error" in h:
+                    errors[f"{configs[j][0]}@{configs[j][2]:g}"] = h["error"]
+                    have[j] = None
             for j, h in enumerate(have):
                 if h is None:
                     complete = complete and f"{configs[j][0]}@{configs[j][2]:g}" in errors
@@ -92,7 +95,7 @@ def _run_example(model, tokenizer, t, ex, configs, deadline) -> list[dict]:
                 rec["score"], rec["output"] = answer(model, tokenizer, t, ex, cache)
                 rec["full_score"] = ref_score
         except Exception as e:  # one broken configuration must not sink a long report run
-            out.append(dict(error=f"{type(e).__name__}: {e}"))
+            out.append(dict(error=f"{type(e).__name__}: {e}", deterministic=isinstance(e, KVSumError)))
             continue
         rec["seconds"] = time.perf_counter() - t0
         out.append(rec)

@@ -17,9 +17,28 @@ from collections.abc import Callable
 import torch
 
 from ..compress import compress_prefill, prefill
+from ..errors import KVSumError
 from ..eval.tasks import LMFidelity, example_seed
 from ..methods import make_method
 from .specs import Store
+
+
+def _cached(store: Store, fields: dict, errors: dict | None, label: str) -> dict | None:
+    """The cached result, or None; a cached error goes to `errors` and counts as done (returns {})."""
+    res = store.get(fields)
+    if res is not None and "error" in res:
+        if errors is not None:
+            errors[label] = res["error"]
+    return res
+
+
+def _failed(store: Store, fields: dict, errors: dict | None, label: str, e: Exception) -> None:
+    """Note the error; cache it when it is a KVSumError (the method refuses these settings, every time)."""
+    msg = f"{type(e).__name__}: {e}"
+    if errors is not None:
+        errors[label] = msg
+    if isinstance(e, KVSumError):
+        store.put(fields, dict(error=msg))
 
 
 def _ids(tokenizer, length: int, model) -> torch.Tensor:
@@ -70,7 +89,7 @@ def throughput(model, tokenizer, model_name: str, specs, budget: float, lengths:
         for name, knobs in specs:
             fields = dict(kind="throughput", model=model_name, length=length, new=new, method=name, knobs=knobs,
                           budget=budget, threads=threads)
-            res = store.get(fields)
+            res = _cached(store, fields, errors, f"throughput {length} {name}")
             if res is None and not (deadline is not None and time.time() > deadline):
                 ids = _ids(tokenizer, length, model) if ids is None else ids
                 _request_full(model, ids[:, :16], 2)  # warm-up
@@ -78,8 +97,7 @@ def throughput(model, tokenizer, model_name: str, specs, budget: float, lengths:
                 try:
                     secs, ratio = min(_request(model, ids, new, name, knobs, budget) for _ in range(2))
                 except Exception as e:
-                    if errors is not None:
-                        errors[f"throughput {length} {name}"] = f"{type(e).__name__}: {e}"
+                    _failed(store, fields, errors, f"throughput {length} {name}", e)
                     if on_unit:
                         on_unit(f"throughput {length} {name}")
                     continue
@@ -88,7 +106,7 @@ def throughput(model, tokenizer, model_name: str, specs, budget: float, lengths:
                 store.put(fields, res)
             if res is None:
                 complete = False
-            else:
+            elif "error" not in res:
                 rows.append(res)
             if on_unit:
                 on_unit(f"throughput {length} {name}")
@@ -105,7 +123,7 @@ def scaling(model, tokenizer, model_name: str, specs, budget: float, lengths: li
         for name, knobs in specs:
             fields = dict(kind="scaling", model=model_name, length=length, method=name, knobs=knobs, budget=budget,
                           threads=threads)
-            res = store.get(fields)
+            res = _cached(store, fields, errors, f"scaling {length} {name}")
             if res is None and not (deadline is not None and time.time() > deadline):
                 if base is None:
                     base = _baseline(model, tokenizer, length, specs)
@@ -116,8 +134,7 @@ def scaling(model, tokenizer, model_name: str, specs, budget: float, lengths: li
                     compress_s = time.perf_counter() - t0
                     step = statistics.median(_decode(model, base["ids"][:, -1:], cache, 6)[1:])
                 except Exception as e:
-                    if errors is not None:
-                        errors[f"scaling {length} {name}"] = f"{type(e).__name__}: {e}"
+                    _failed(store, fields, errors, f"scaling {length} {name}", e)
                     if on_unit:
                         on_unit(f"scaling {length} {name}")
                     continue
@@ -129,7 +146,7 @@ def scaling(model, tokenizer, model_name: str, specs, budget: float, lengths: li
                 store.put(fields, res)
             if res is None:
                 complete = False
-            else:
+            elif "error" not in res:
                 rows.append(res)
             if on_unit:
                 on_unit(f"scaling {length} {name}")
