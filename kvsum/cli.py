@@ -108,6 +108,17 @@ def cmd_calibrate(args) -> None:
           f"artifact {m['nbytes'] / 2**20:.1f} MiB, {m['n_knobs']} knobs -> {out}")
 
 
+def _dtype_prompts(text: str) -> dict[str, int]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, count = item.partition("=")
+        try:
+            out[name.strip()] = int(count)
+        except ValueError:
+            raise KVSumError(f"--dtype-prompts must look like fp16=1,bf16=2, got {text!r}") from None
+    return out
+
+
 def cmd_stability(args) -> None:
     import json
     from pathlib import Path
@@ -118,7 +129,8 @@ def cmd_stability(args) -> None:
 
     settings = Settings(model=args.model, dtypes=[d.strip() for d in args.dtypes.split(",")], prompts=args.prompts,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                        budget=_budgets(args.budget)[0], seed=args.seed).check()
+                        budget=_budgets(args.budget)[0], seed=args.seed,
+                        dtype_prompts=_dtype_prompts(args.dtype_prompts)).check()
     specs, notes = method_specs([m.strip() for m in args.method.split(",")], args.model, skip=("full",))
     store = Store(Path(args.cache) if args.cache else cache_dir() / "stability", fresh=args.fresh)
     deadline = time.time() + args.time_limit if args.time_limit else None
@@ -198,6 +210,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="all", help="methods compared with the full cache, comma-separated")
     s.add_argument("--budget", default="0.25", help="the methods' budget")
     s.add_argument("--prompts", type=int, default=3)
+    s.add_argument("--dtype-prompts", default="", help="fewer prompts for some precisions, e.g. fp16=1 "
+                   "(fp16 matrix products are ~10x slower than fp32 on CPU)")
     s.add_argument("--prompt-tokens", type=int, default=512)
     s.add_argument("--new-tokens", type=int, default=32)
     s.add_argument("--seed", type=int, default=0)

@@ -44,11 +44,18 @@ class Settings:
     new_tokens: int = 32
     budget: float = 0.25
     seed: int = 0
+    dtype_prompts: dict[str, int] = field(default_factory=dict)  # fewer prompts for a slow precision (fp16 on CPU)
+
+    def n_prompts(self, dtype: str) -> int:
+        return min(self.prompts, self.dtype_prompts.get(dtype, self.prompts))
 
     def check(self) -> Settings:
         bad = [d for d in self.dtypes if d not in DTYPES]
         if bad:
             raise KVSumError(f"--dtypes: unknown {', '.join(bad)}; accepted: {', '.join(DTYPES)}")
+        if any(d not in DTYPES or v < 1 for d, v in self.dtype_prompts.items()):
+            raise KVSumError(f"--dtype-prompts must map precisions ({', '.join(DTYPES)}) to positive counts, "
+                             f"got {self.dtype_prompts}")
         if self.prompts < 1 or self.prompt_tokens < 2 or self.new_tokens < 2:
             raise KVSumError("stability needs --prompts >= 1, --prompt-tokens >= 2 and --new-tokens >= 2")
         return self
@@ -184,13 +191,13 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
     opts = {k: v for name, knobs in specs for k, v in make_method(name, **knobs).prefill_options().items() if v}
     floor, methods, errors = {}, {}, {}
     complete = True
-    units = len(settings.dtypes) * settings.prompts * (1 + len(specs))
+    units = sum(settings.n_prompts(dt) for dt in settings.dtypes) * (1 + len(specs))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
         job = bar.add_task("stability", total=units)
         for dt in settings.dtypes:
             model = tok = None
-            for i in range(settings.prompts):
+            for i in range(settings.n_prompts(dt)):
                 pre = ids = ref = None
                 todo = [("floor", None, {})] + [("method", name, knobs) for name, knobs in specs]
                 for part, name, knobs in todo:
@@ -277,8 +284,10 @@ def _f(v, spec: str = ".3f") -> str:
 
 def markdown(result: dict) -> str:
     s = result["settings"]
+    fewer = ", ".join(f"{d}: {v}" for d, v in s.get("dtype_prompts", {}).items() if v < s["prompts"])
     parts = [f"# Numerical stability: {s['model']}", "",
-             f"{s['prompts']} prose prompts of {s['prompt_tokens']} tokens, {s['new_tokens']} greedy tokens; "
+             f"{s['prompts']} prose prompts" + (f" ({fewer})" if fewer else "") +
+             f" of {s['prompt_tokens']} tokens, {s['new_tokens']} greedy tokens; "
              f"methods at budget {s['budget']} (entries stored in fp16). "
              + ("" if result["complete"] else "**Incomplete: run the same command again to finish.** "), "",
              "Precision floor: cache-on (DynamicCache) vs cache-off (full recomputation every step). "
