@@ -71,7 +71,7 @@ class EntryState:
         k = self.keys.float()
         if self.uniform:
             n = self._lengths[0]
-            s = q @ k.view(1, self.H, n, -1).transpose(-1, -2) * scale
+            s = q @ k.view(1, self.H, n, k.shape[-1]).transpose(-1, -2) * scale  # explicit d: n may be 0
             if self.bias is not None:
                 s = s + self.bias.float().view(1, self.H, 1, n)
             return s
@@ -84,7 +84,7 @@ class EntryState:
     def mix(self, p: Tensor) -> Tensor:
         v = self.values.float()
         if self.uniform:
-            return p @ v.view(1, self.H, self._lengths[0], -1)
+            return p @ v.view(1, self.H, self._lengths[0], v.shape[-1])
         return p @ v  # other heads' probabilities are exactly zero
 
 

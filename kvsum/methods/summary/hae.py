@@ -46,6 +46,8 @@ class HAE(Method):
     def _plan(self, T: int, n: int) -> tuple[int, int]:
         """(tokens kept, bin size) so that kept + rank x bins <= n."""
         m = self.bin_size
+        if n < min(self.rank, T) or n >= T:  # no room for one bin's synthetic entries, or room for every token
+            return min(n, T), 0
         while True:
             for kept in range(min(n, T), -1, -1):
                 if kept + self.rank * math.ceil((T - kept) / m) <= n:
@@ -68,7 +70,7 @@ class HAE(Method):
         binned = order[kept:].flip(0)  # lowest score enters the bin first
         syn_k, syn_v = [K[keep_idx]], [V[keep_idx]]
         pinv = torch.linalg.pinv(q)  # (d, nq), shared by every bin of this head
-        for a in range(0, len(binned), m):
+        for a in range(0, len(binned) if m else 0, m or 1):
             idx = binned[a:a + m]
             y = torch.softmax(logits[:, idx], -1).nan_to_num(0.0) @ V[idx]  # rows that see no bin token: 0
             u, s, vh = torch.linalg.svd(pinv @ y)
