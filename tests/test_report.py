@@ -114,3 +114,12 @@ def test_refused_settings_are_reported_and_cached(tmp_path):
     again = Store(tmp_path / "c")
     out2 = build(s, tmp_path / "out", again, progress=False, model=tiny_llama(), tokenizer=CharTokenizer())
     assert again.misses == 0 and out2["errors"] == out["errors"]
+
+
+def test_compositions_are_named_explicitly():
+    specs, _ = method_specs(["all", "snapkv+turboquant"], "smollm2", skip=("echokv", "lowrank"))
+    names = [n for n, _ in specs]
+    assert names[-1] == "snapkv+turboquant" and "snapkv" in names and names.count("snapkv") == 1
+    comp = rules.complexity([("snapkv+turboquant", {})], [], [])
+    assert comp[0]["family"] == "composition" and "snapkv.window" in comp[0]["knobs"]
+    assert "reference queries" in comp[0]["prefill_extras"]

@@ -6,10 +6,11 @@ thresholds are the module constants below, printed in the report next to the rul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from ..methods import REGISTRY
+from ..methods import REGISTRY, make_method
 
 ACC_DROP = 10.0  # points of retrieval accuracy below the full cache on the same examples, at most
 KL_MAX = 0.1  # nats of KL(full || compressed) on the lm task, at most
@@ -35,12 +36,18 @@ RULES = [
 
 
 def family(name: str) -> str:
+    if "+" in name:
+        return "composition"
     mod = REGISTRY[name].__module__ if name in REGISTRY else ""
     for fam in ("evict", "quant", "summary", "reconstruct"):
         if f".{fam}" in mod:
             return {"evict": "eviction", "quant": "quantization", "summary": "summarization",
                     "reconstruct": "reconstruction"}[fam]
     return "baseline" if name in ("full", "random", "streaming_llm") else "other"
+
+
+def needs_artifact(name: str) -> bool:
+    return any(part in REGISTRY and "artifact" in REGISTRY[part].knobs() for part in name.split("+"))
 
 
 def artifact_info(knobs: dict, reconstruct_json: Path | None = None) -> dict | None:
@@ -64,15 +71,18 @@ def complexity(specs, rows: list[dict], scaling: list[dict], reconstruct_json: P
     out = []
     longest = max((r["length"] for r in scaling), default=None)
     for name, knobs in specs:
-        cls = REGISTRY[name]
-        m = cls(**knobs)
+        m = make_method(name, **knobs)
         comp = [r["compress_s"] for r in rows if r["method"] == name]
         dec = [r for r in scaling if r["method"] == name and r["length"] == longest]
         art = artifact_info(knobs, reconstruct_json)
         extras = [k for k, v in m.prefill_options().items() if v]
-        if cls.needs_queries:
+        if getattr(m, "needs_queries", False):
             extras.insert(0, "reference queries")
-        out.append(dict(method=name, family=family(name), knobs=[k for k in cls.knobs() if k != "artifact"],
+        if "+" in name:  # a composition's knobs are its parts' knobs
+            names = [f"{part}.{k}" for part in name.split("+") if part in REGISTRY for k in REGISTRY[part].knobs()]
+        else:
+            names = [f.name for f in dataclasses.fields(m)] if dataclasses.is_dataclass(m) else []
+        out.append(dict(method=name, family=family(name), knobs=[k for k in names if k != "artifact"],
                         prefill_extras=extras, calibration=art,
                         training="no" if art is None else "no (closed-form calibration fit, no gradients)",
                         compress_s=sum(comp) / len(comp) if comp else None,
@@ -182,7 +192,7 @@ def recommend(rows: list[dict], complexity_rows: list[dict], throughput: list[di
         for b in sorted({k[1] for k in q if k[0] == m}):
             mine = q[(m, b)]["kl"]
             free = [(v["kl"], k[0]) for k, v in q.items() if k[1] == b and v["kl"] is not None
-                    and k[0] != m and REGISTRY[k[0]].knobs().count("artifact") == 0]
+                    and k[0] != m and not needs_artifact(k[0])]
             if mine is None or not free:
                 continue
             best_kl, best = min(free)

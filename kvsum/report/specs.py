@@ -18,20 +18,27 @@ def artifact_path(model_name: str) -> Path:
 
 
 def method_specs(names: list[str] | None, model_name: str, skip: tuple[str, ...] = ()) -> tuple[list, list[str]]:
-    """(name, knobs) for each method (default: every registered one) and notes on those left out.
+    """(name, knobs) for each method and notes on those left out. "all" stands for every registered method;
+    compositions ("summary+turboquant") are named explicitly.
 
     Methods with an `artifact` knob get the default calibration artifact; without one they are left out
     with a note saying how to make it (rather than failing the whole run).
     """
-    names = sorted(REGISTRY) if not names or names == ["all"] else names
+    names = names or ["all"]
+    names = list(dict.fromkeys(n for item in names for n in (sorted(REGISTRY) if item == "all" else [item])))
     specs, notes = [], []
     for name in names:
-        if name not in REGISTRY:
-            raise KVSumError(f"unknown method {name!r}; accepted: all, {', '.join(sorted(REGISTRY))}")
+        if "+" in name:  # a composition "a+b" (kvsum/methods/compose.py): make_method checks it
+            from ..methods import make_method
+
+            make_method(name)
+        elif name not in REGISTRY:
+            raise KVSumError(f"unknown method {name!r}; accepted: all, {', '.join(sorted(REGISTRY))} "
+                             "or a composition such as summary+turboquant")
         if name in skip:
             continue
         knobs = {}
-        if "artifact" in REGISTRY[name].knobs():
+        if "+" not in name and "artifact" in REGISTRY[name].knobs():
             path = artifact_path(model_name)
             if not path.is_file():
                 notes.append(f"{name}: left out, no calibration artifact at {path} (run `kvsum calibrate "
