@@ -44,8 +44,9 @@ def test_entries_stay_bounded_during_a_long_generation(method, ids):
     assert full.nbytes() > 3 * max(nbytes[steps // 2:])
 
 
-def test_identical_to_full_cache_while_under_the_target(ids):
-    model = tiny_llama()
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_identical_to_full_cache_while_under_the_target(attn, ids):
+    model = tiny_llama(attn)
     ev = kvsum.DecodingEviction(model, "snapkv", max_tokens=200, every=8)
     ref = _generate_tracked(model, ids[:, 40:44], kvsum.compress(model, ids[:, :40], method="full"), 150)[2]
     ours = _generate_tracked(model, ids[:, 40:44], kvsum.compress(model, ids[:, :40], method="full").attach(ev),
