@@ -1,0 +1,108 @@
+"""Quantization family on the bundled model, in parts that each fit a short locked run (--part).
+
+  retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits and KIVI 4 / 2 bits beside full
+             (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
+             they hold are reported as the ratio);
+  lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
+             summary+turboquant vs summary vs turboquant (TurboQuant alone cannot go below 1 bit plus
+             its fp16 norms, ~0.083 at head dim 64: its 1-bit row is the closest it gets);
+  decode:    decode-step time over the quantized cache vs the full cache, both TurboQuant attention paths
+             (and KIVI), as ratios measured in one run, interleaved.
+Decoded tokens are quantized by the methods' streams (kvsum.compress attaches them) in every part.
+Writes benchmarks/results/quant_<part>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS, arguments, finish, start
+
+import kvsum
+from kvsum.eval import run
+from kvsum.eval.report import meta
+from kvsum.eval.tasks import get_task
+from kvsum.methods.base import make_method
+
+QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.0]),
+         ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
+TINY = 0.0625
+COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
+
+
+@torch.no_grad()
+def decode_steps(model, cache, tokens) -> list[float]:
+    """Seconds of every one-token forward on top of `cache` (which grows, and quantizes, as in generate)."""
+    times = []
+    for t in range(tokens.shape[1]):
+        t0 = time.perf_counter()
+        model(tokens[:, t:t + 1], cache=cache)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def decode(model, tok, args) -> None:
+    ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
+    ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
+    pre = kvsum.prefill(model, ctx)
+    configs = [("full", {}), ("turboquant", {"bits": 3.5, "path": "rotated"}),
+               ("turboquant", {"bits": 3.5, "path": "dequant"}), ("kivi", {"bits": 4})]
+    times = {i: [] for i in range(len(configs))}
+    ratio = {}
+    for _ in range(args.repeats):  # interleaved: slow drifts of a shared machine hit every config alike
+        for i, (name, knobs) in enumerate(configs):
+            cache = kvsum.compress_prefill(pre, make_method(name, **knobs), 1.0)
+            ratio[i] = cache.nbytes() / cache.reference_nbytes
+            times[i] += decode_steps(model, cache, tokens)[2:]  # the first steps warm up
+    med = {i: sorted(t)[len(t) // 2] for i, t in times.items()}
+    rows = [dict(method=name, knobs=knobs, length=args.length, ratio=ratio[i], decode_step_s=med[i],
+                 decode_over_full=med[i] / med[0], steps=len(times[i])) for i, (name, knobs) in enumerate(configs)]
+    out = Path(args.out)
+    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
+    out.with_suffix(".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+    lines = [f"# Decode step over the quantized cache, {args.length}-token context ({info['date']}, "
+             f"{args.threads} threads)", "", f"command: {info['command']}", "",
+             "Median one-token forward over " f"{rows[0]['steps']} steps ({args.repeats} interleaved rounds); "
+             "decoded tokens are quantized as they arrive.", "",
+             "| method | knobs | bytes ratio | decode step ms | decode / full |", "|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['knobs']} | {r['ratio']:.3f} | {r['decode_step_s'] * 1000:.1f} | "
+              f"{r['decode_over_full']:.2f} |" for r in rows]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arguments(__doc__, "quant", threads=1)
+    ap.add_argument("--part", choices=["retrieval", "lm", "decode"], required=True)
+    ap.add_argument("--tasks", nargs="+", default=["passkey", "multikey"])
+    ap.add_argument("--length", type=int, default=2048, help="retrieval context / decode context length")
+    ap.add_argument("--lm-length", type=int, default=1536, help="prefix length for lm fidelity")
+    ap.add_argument("--n", type=int, default=20, help="examples per task")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compose-bits", type=float, nargs="*", default=None,
+                    help="lm: summary+turboquant at these bit widths (default: its default width)")
+    ap.add_argument("--no-quant", action="store_true", help="lm: only the budget-0.0625 comparison")
+    ap.add_argument("--steps", type=int, default=40, help="decode: tokens decoded per round")
+    ap.add_argument("--repeats", type=int, default=3, help="decode: interleaved rounds")
+    args = ap.parse_args(argv)
+    if args.out == str(RESULTS / "quant"):
+        args.out = str(RESULTS / f"quant_{args.part}")
+    model, tok, t0 = start(args)
+    if args.part == "decode":
+        return decode(model, tok, args)
+    if args.part == "retrieval":
+        rows = run(model, tok, args.tasks, ["full", *QUANT], [1.0], [args.length], args.n, args.seed)
+    else:
+        compose = COMPOSE if args.compose_bits is None else COMPOSE[:1] + [
+            ("summary+turboquant", {"bits": b}, [TINY]) for b in args.compose_bits] + COMPOSE[2:]
+        rows = run(model, tok, "lm", ["full", *([] if args.no_quant else QUANT), *compose], [1.0],
+                   [args.lm_length], args.n, args.seed)
+    finish(rows, args, t0)
+
+
+if __name__ == "__main__":
+    main()
