@@ -58,8 +58,8 @@ def evaluate(model, tokenizer, model_name: str, tasks: list[str], specs: list[tu
             for j, h in enumerate(have):
                 if h is None:
                     complete = complete and f"{configs[j][0]}@{configs[j][2]:g}" in errors
-                else:
-                    recs[j].append(h)
+                else:  # records cached before global_* existed: models without sliding layers, where they agree
+                    recs[j].append({"global_bytes": h["bytes"], "global_full_bytes": h["full_bytes"], **h})
                 if on_unit:
                     on_unit(f"{t.name} example {i} {configs[j][0]}")
         rows += [_row(t, length, cfg, r) for cfg, r in zip(configs, recs) if len(r) == n]
@@ -88,7 +88,8 @@ def _run_example(model, tokenizer, t, ex, configs, deadline) -> list[dict]:
             cache = compress_prefill(pre, make_method(name, **knobs), budget)
             compress_s = time.perf_counter() - t0
             rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
-                       compress_s=compress_s)
+                       compress_s=compress_s, global_bytes=cache.budget_nbytes(),
+                       global_full_bytes=cache.budget_reference_nbytes)  # the layers the budget governs
             if t.kind == "lm":
                 rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
             else:
