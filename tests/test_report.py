@@ -14,7 +14,7 @@ from .test_eval import CharTokenizer
 
 def _settings(**kw):
     base = dict(model="tiny", methods=["full", "streaming_llm", "snapkv"], budgets=[0.5, 0.25],
-                tasks=["lm", "passkey"], length=400, n=1, short_lengths=[96], new_tokens=3, scaling_lengths=[64, 128],
+                tasks=["lm", "passkey"], length=400, n=1, short_lengths=[96], new_tokens=3, scaling_lengths=[128, 256],
                 threads=1)
     return Settings(**{**base, **kw})
 
