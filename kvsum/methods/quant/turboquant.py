@@ -94,7 +94,8 @@ class Coded:
 
     @staticmethod
     def _levels(levels: Tensor, codes: Packed) -> Tensor:
-        return levels[codes.codes().long()].transpose(0, 1)  # (H, T, c)
+        c = codes.codes()  # (T, H, c); index_select is ~2x faster than indexing with a long tensor
+        return levels.index_select(0, c.reshape(-1).int()).view(c.shape).transpose(0, 1)  # (H, T, c)
 
     def lookup(self) -> Tensor:
         """Reconstructed rotated unit directions (H, T, d)."""
