@@ -233,11 +233,19 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
     Only global layers are compressed; sliding-window layers are kept (moved with `consume`, else copied)
     as transformers holds them, and the budget is a fraction of the global layers' full 16-bit bytes.
     """
+    if isinstance(method, str):
+        method = make_method(method)
     if not isinstance(method, Method):
-        raise KVSumError(f"method must be a kvsum.Method (make_method(name, **knobs)), got {type(method).__name__}")
+        raise KVSumError(f"method must be a method name or a kvsum.Method (make_method(name, **knobs)), "
+                         f"got {type(method).__name__}")
     budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)
     pre = check_prefill(pre)
     s = pre.shape
+    window = getattr(method, "window", None)
+    if method.name != "full" and isinstance(window, int) and pre.tokens <= window:
+        raise KVSumError(f"method {method.name!r}: the context ({pre.tokens} tokens) is not longer than its "
+                         f"window={window}, which it always keeps; accepted: a context of more than {window} tokens, "
+                         f"a smaller window=, or method='full'")
     if method.name == "full":
         if consume:
             return pre.cache
@@ -287,15 +295,19 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
 
 
 def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: float = 0.25, *,
-             attention_mask: Tensor | None = None, storage_dtype: torch.dtype = torch.float16, **knobs) -> Cache:
+             attention_mask: Tensor | None = None, storage_dtype: torch.dtype = torch.float16, policy=None,
+             **knobs) -> Cache:
     """Prefill `input_ids` and return a kvsum.Cache holding at most `budget` of the full 16-bit bytes.
 
     `input_ids` is (1, T), or a batch (B, T) left padded with its `attention_mask`: every sequence is
     compressed alone (its padding stripped, its own budget), and the cache is laid out like the padded
     batch, so `model.generate(padded_ids_plus_more, attention_mask=..., past_key_values=cache)` gives each
     sequence what it gets alone. Method knobs are keyword arguments (`sinks=4` for streaming_llm);
-    `kvsum.methods()` lists methods.
+    `kvsum.methods()` lists methods. With `policy` (a kvsum.Policy), the policy picks the method and budget
+    for this context length (the full cache below its measured break-even); `cache.decision` says why.
     """
+    if policy is not None:
+        return policy.compress(model, input_ids, storage_dtype=storage_dtype, **knobs)
     m = make_method(method, **knobs)
     budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)  # fail before the prefill
     input_ids = check_ids(model, input_ids, batch=True)

@@ -73,7 +73,7 @@ def test_left_padded_batch_equals_each_sequence_alone(method):
 
 def test_left_padded_batch_full_method_and_eager():
     _batch_equals_alone(tiny_llama("eager"), "full", [120, 64])
-    _batch_equals_alone(tiny_llama("sdpa"), "snapkv", [120, 64, 120])
+    _batch_equals_alone(tiny_llama("sdpa"), "snapkv", [120, 70, 120])
 
 
 def test_batch_without_padding_and_single_padded_row():
@@ -157,7 +157,7 @@ def test_gemma_compresses_global_layers_only(method):
 
 @pytest.mark.parametrize("method", ["full", "streaming_llm", "summary"])
 def test_gemma_left_padded_batch_equals_alone(method):
-    _batch_equals_alone(tiny_gemma(), method, [90, 40, 25], steps=30)
+    _batch_equals_alone(tiny_gemma(), method, [90, 40, 33], steps=30)
 
 
 def test_gemma_repeat_scoring_crops_the_windows():

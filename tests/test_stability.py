@@ -39,7 +39,7 @@ def test_full_against_full_is_exact():
 
 def test_run_floor_methods_and_resume(tmp_path):
     st = Settings(model="tiny", dtypes=["fp32", "bf16"], prompts=2, prompt_tokens=48, new_tokens=6)
-    specs = [("streaming_llm", {}), ("snapkv", {})]
+    specs = [("streaming_llm", {}), ("snapkv", {"window": 16})]  # window < the 47-token context
     store = Store(tmp_path)
     r = run(st, specs, store, load=_load, prompts=PROMPTS, progress=False)
     assert r["complete"] and not r["errors"] and store.misses == 2 * 2 * 3

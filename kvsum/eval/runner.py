@@ -102,7 +102,8 @@ def _one_example(model, tokenizer, t: Task, ex: Example, configs, per) -> None:
         cache = compress_prefill(pre, make_method(name, **knobs), budget)
         compress_s = time.perf_counter() - t0
         rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
-                   compress_s=compress_s)
+                   compress_s=compress_s, global_bytes=cache.budget_nbytes(),
+                   global_full_bytes=cache.budget_reference_nbytes)  # global_*: the layers the budget governs
         if t.kind == "lm":
             rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
         else:
@@ -126,6 +127,7 @@ def _row(t: Task, length: int, cfg, recs: list[dict]) -> dict:
         row.update(score=100 * _mean(recs, "score"), full_score=100 * _mean(recs, "full_score"))
     held, full = _mean(recs, "bytes"), _mean(recs, "full_bytes")
     row.update(bytes=held, full_bytes=full, ratio=held / full, seconds=_mean(recs, "seconds"),
+               global_ratio=_mean(recs, "global_bytes") / _mean(recs, "global_full_bytes"),
                compress_s=_mean(recs, "compress_s"), prefill_s=_mean(recs, "prefill_s"))
     row["examples"] = [{k: r[k] for k in ("depth", "score", "full_score", "output", "kl", "top1") if k in r}
                        for r in recs]

@@ -114,4 +114,27 @@ def make_method(name: str, **knobs) -> Method:
     if unknown:
         raise KVSumError(f"method {name!r} has no knob {', '.join(sorted(unknown))}; "
                          f"accepted: {', '.join(cls.knobs()) or 'none'}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for knob, value in knobs.items():
+        _check_knob(name, knob, value, defaults[knob])
     return cls(**knobs)
+
+
+def _check_knob(method: str, knob: str, value, default) -> None:
+    """A knob takes the type of its default (bool, int >= 0, float >= 0 and finite, str); None defaults take
+    anything (the method checks them)."""
+    if default is None or default is dataclasses.MISSING:
+        return
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "True or False"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "an integer >= 0"
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+        want = "a finite number >= 0"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise KVSumError(f"{method}: {knob} must be {want}, got {value!r}")

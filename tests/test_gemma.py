@@ -1,0 +1,79 @@
+"""The bundled Gemma 3 270M: sliding-window layers stay transformers' own, global layers are compressed."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvsum
+from kvsum.cache import KVSumSlidingLayer
+from kvsum.methods.base import make_method
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return kvsum.load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def ctx(gemma):
+    _, tok = gemma
+    text = "Bit for bit: the uncompressed path is transformers' own cache, sliding windows included. " * 40
+    return tok(text, return_tensors="pt").input_ids[:, :700]  # longer than the 512-token window
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_full_is_bit_identical_to_dynamic_cache(gemma, ctx, attn):
+    model, tok = gemma
+    q = tok(" In short,", return_tensors="pt", add_special_tokens=False).input_ids
+    full_ids = torch.cat([ctx, q], -1)
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    model.set_attn_implementation("kvsum_" + attn)
+    try:
+        cache = kvsum.compress(model, ctx, method="full")
+        ours = model.generate(full_ids, past_key_values=cache, **kw).logits
+        model.set_attn_implementation(attn)
+        ref_cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ctx, past_key_values=ref_cache)
+        ref = model.generate(full_ids, past_key_values=ref_cache, **kw).logits
+    finally:
+        model.set_attn_implementation("kvsum_sdpa")
+    assert len(ours) == len(ref) == 20
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    for mine, theirs in zip(cache.layers, ref_cache.layers):
+        assert type(theirs).__name__ in ("DynamicSlidingWindowLayer", "DynamicLayer")
+        assert isinstance(mine, KVSumSlidingLayer) == (type(theirs).__name__ == "DynamicSlidingWindowLayer")
+        assert torch.equal(mine.keys, theirs.keys)
+
+
+def test_every_method_runs_on_gemma(gemma, ctx):
+    """Every method compresses the three global layers within the budget and decodes; the methods that
+    need a calibration artifact say clearly why they cannot run on a model with sliding-window layers."""
+    model, tok = gemma
+    pre = kvsum.prefill(model, ctx, surprisal=True)
+    sliding = [i for i, layer in enumerate(pre.cache.layers) if isinstance(layer, KVSumSlidingLayer)]
+    assert len(sliding) == 15 and all(pre.cache.layers[i].keys.shape[2] == 511 for i in sliding)
+    q = tok(" In short,", return_tensors="pt", add_special_tokens=False).input_ids
+    for name in kvsum.methods():
+        if name in ("echokv", "lowrank"):
+            with pytest.raises(kvsum.KVSumError, match="needs artifact="):
+                kvsum.compress_prefill(pre, make_method(name), 0.5)
+            continue
+        budget = 0.5 if name == "kivi" else 0.25
+        method = make_method(name)
+        p = kvsum.prefill(model, ctx, **method.prefill_options()) if method.prefill_options().get("repeat") else pre
+        cache = kvsum.compress_prefill(p, method, budget)
+        assert all(cache.layers[i].state is None and cache.layers[i].keys.shape[2] == 511 for i in sliding)
+        if name != "full":
+            assert all(cache.layers[i].state is not None for i in (5, 11, 17))
+            assert cache.budget_nbytes() <= (budget + 0.02) * cache.budget_reference_nbytes, name
+        with torch.no_grad():
+            logits = model(q, past_key_values=cache).logits
+        assert torch.isfinite(logits).all(), name
+    from kvsum.calibrate import calibrate
+
+    with pytest.raises(kvsum.KVSumError, match="sliding-window layers"):
+        calibrate(model, tok, tokens=64, progress=False)
