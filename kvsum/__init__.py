@@ -7,6 +7,7 @@ from .errors import KVSumError
 from .methods import REGISTRY as _REGISTRY
 from .methods import LayerInput, Method, register
 from .models import load_model
+from .policy import Decision, Policy, generate
 from .state import EntryState, LayerState
 
 __version__ = "0.1.0"
@@ -17,5 +18,5 @@ def methods() -> dict[str, str]:
     return {name: cls.summary for name, cls in sorted(_REGISTRY.items())}
 
 
-__all__ = ["Cache", "DecodingEviction", "EntryState", "KVSumError", "LayerInput", "LayerState", "Method", "compress",
-           "compress_prefill", "load_model", "methods", "prefill", "register"]
+__all__ = ["Cache", "Decision", "DecodingEviction", "EntryState", "KVSumError", "LayerInput", "LayerState", "Method",
+           "Policy", "compress", "compress_prefill", "generate", "load_model", "methods", "prefill", "register"]

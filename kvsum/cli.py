@@ -177,6 +177,34 @@ def cmd_report(args) -> None:
         print(f"  error {k}: {v}")
 
 
+def cmd_bench(args) -> None:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    import kvsum
+    from kvsum.breakeven import markdown, measure
+
+    methods = [m.strip() for m in args.methods.split(",")]
+    lengths = _ints(args.lengths, "--lengths")
+    if args.new_tokens < 1:
+        raise KVSumError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    torch.set_num_threads(args.threads)
+    model, tok = kvsum.load_model(args.model)
+    table = measure(model, tok, methods, lengths, new_tokens=args.new_tokens, budget=_budgets(args.budget)[0],
+                    rounds=args.rounds, progress=True)
+    table["model"], table["command"] = args.model, "kvsum " + " ".join(sys.argv[1:])
+    table["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")
+    md = markdown(table) + f"\nCommand: `{table['command']}` ({table['date']})\n"
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out}.json and {out}.md; use it with kvsum.Policy(table='{out}.json')")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsum", description="Compress the KV cache of transformers models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -242,6 +270,17 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--stability", default="benchmarks/results/stability.json", help="kvsum stability results")
     r.add_argument("--out", default="benchmarks/results/report", help="output folder")
     r.set_defaults(fn=cmd_report)
+    b = sub.add_parser("bench", help="timing calibrations (breakeven: where compression starts to pay)")
+    b.add_argument("what", choices=["breakeven"])
+    b.add_argument("--model", default="smollm2")
+    b.add_argument("--methods", default="turboquant,kivi,summary,summary+turboquant,streaming_llm,snapkv")
+    b.add_argument("--lengths", default="256,512,1024,2048,4096", help="context lengths, comma-separated")
+    b.add_argument("--new-tokens", type=int, default=64, help="generated tokens the totals include")
+    b.add_argument("--budget", default="0.25", help="budget of every method")
+    b.add_argument("--rounds", type=int, default=9, help="decode steps per cache (median)")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--out", default="benchmarks/results/breakeven", help="output stem (.json and .md)")
+    b.set_defaults(fn=cmd_bench)
     return p
 
 

@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .errors import KVSumError
+
 
 class LayerState(Protocol):
     """The compressed part of one layer. Implemented by `EntryState` and by methods with their own storage."""
@@ -39,14 +41,16 @@ class EntryState:
 
     Heads may hold different numbers of entries: they are packed one after another into a single
     (sum of lengths, d) tensor, so nothing is padded and dropped entries take no memory. With equal
-    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths every
-    head's queries are scored against the packed entries and the other heads' entries are masked.
+    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths each
+    head's queries are scored against that head's own slice only (work and bytes read follow the entries
+    held), and the scores are padded with -inf to the longest head for the joint softmax.
     """
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], bias: list[Tensor] | None = None,
                  dtype: torch.dtype = torch.float16):
         if len(keys) != len(values) or (bias is not None and len(bias) != len(keys)):
-            raise ValueError("keys, values and bias need one entry per KV head")
+            raise KVSumError("EntryState: keys, values and bias need one tensor per KV head, got "
+                             f"{len(keys)}, {len(values)} and {len(bias) if bias is not None else 'no'} bias")
         self.H = len(keys)
         self._lengths = [int(k.shape[0]) for k in keys]
         self.keys = torch.cat(keys).to(dtype).contiguous()
@@ -67,25 +71,38 @@ class EntryState:
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.bias, self.head_of)
 
+    def _slices(self):
+        start = 0
+        for n in self._lengths:
+            yield start, n
+            start += n
+
     def scores(self, q: Tensor, scale: float) -> Tensor:
-        k = self.keys.float()
         if self.uniform:
             n = self._lengths[0]
-            s = q @ k.view(1, self.H, n, k.shape[-1]).transpose(-1, -2) * scale  # explicit d: n may be 0
+            s = q @ self.keys.view(1, self.H, n, self.keys.shape[-1]).float().transpose(-1, -2) * scale  # n may be 0
             if self.bias is not None:
-                s = s + self.bias.float().view(1, self.H, 1, n)
+                s = s + self.bias.view(1, self.H, 1, n).float()
             return s
-        s = q @ k.t() * scale  # (1, H, M, N): every head against every packed entry
+        # ragged: one matmul per head over its own entries, written into a -inf padded (1, H, M, max) block
+        s = q.new_full((*q.shape[:3], max(self._lengths)), float("-inf"))
+        for h, (a, n) in enumerate(self._slices()):
+            if n:
+                s[0, h, :, :n] = q[0, h] @ self.keys[a:a + n].float().t()
+        s.mul_(scale)
         if self.bias is not None:
-            s = s + self.bias.float()
-        own = self.head_of.long().view(1, 1, 1, -1) == torch.arange(self.H, device=q.device).view(1, -1, 1, 1)
-        return s.masked_fill(~own, float("-inf"))
+            for h, (a, n) in enumerate(self._slices()):
+                s[0, h, :, :n] += self.bias[a:a + n].float()
+        return s
 
     def mix(self, p: Tensor) -> Tensor:
-        v = self.values.float()
         if self.uniform:
-            return p @ v.view(1, self.H, self._lengths[0], v.shape[-1])
-        return p @ v  # other heads' probabilities are exactly zero
+            return p @ self.values.view(1, self.H, self._lengths[0], self.values.shape[-1]).float()
+        out = p.new_zeros(*p.shape[:3], self.values.shape[-1])
+        for h, (a, n) in enumerate(self._slices()):
+            if n:
+                out[0, h] = p[0, h, :, :n] @ self.values[a:a + n].float()
+        return out
 
 
 class ConcatState:

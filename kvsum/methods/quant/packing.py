@@ -35,11 +35,19 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 
 
 def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
-    """Inverse of `pack`: the first `n` codes, as a flat uint8 tensor."""
-    stream = (packed.view(-1, bits, 1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1  # (G, b, 8)
-    planes = stream.reshape(-1, 8, bits)
-    weights = torch.arange(bits, dtype=torch.uint8, device=packed.device)
-    return (planes << weights).sum(-1, dtype=torch.uint8).reshape(-1)[:n]
+    """Inverse of `pack`: the first `n` codes, as a flat uint8 tensor.
+
+    Runs at every decode step, so it does the least work: for widths that divide 8 each byte holds whole
+    codes (one shift-and-mask broadcast); otherwise every `bits` bytes are read as one little-endian word
+    that holds 8 codes."""
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed.view(-1, 1) >> shifts) & mask).reshape(-1)[:n]
+    groups = packed.view(-1, bits).long()
+    word = (groups << (8 * torch.arange(bits, device=packed.device))).sum(-1)
+    codes = (word[:, None] >> (bits * torch.arange(8, device=packed.device))) & mask
+    return codes.to(torch.uint8).reshape(-1)[:n]
 
 
 class Packed:

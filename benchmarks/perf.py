@@ -1,0 +1,335 @@
+"""Performance of kvsum on this machine: where compression pays, what it costs, how it scales.
+
+Parts (each one locked run of a few minutes; ratios always come from one run):
+  short     tokens/s over 64..512-token prompts + 64 generated tokens: the full cache (plain transformers
+            generate), kvsum.generate with the default Policy, and each method always on.
+  overhead  (prefill + compression) / plain prefill per method and length; the scaling fit (exponent of
+            compression time against context length, log-log least squares) over all lengths measured,
+            merged across runs (8k is its own run).
+  decode    decode-step time against context length (budget 0.25) and against the budget (at --budget-lengths),
+            per method, over the full cache's; all caches of one length stepped round-robin, medians.
+  memory    cache.nbytes() and the process's peak resident memory during compression, per method, at one
+            length (VmHWM, reset before each compression; large buffers are mmapped so freed memory leaves RSS).
+
+Results: benchmarks/results/perf_<part>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kvsum
+from kvsum.breakeven import prose_ids, step_times
+from kvsum.errors import KVSumError
+from kvsum.eval.report import meta
+from kvsum.methods.base import make_method
+
+RESULTS = Path(__file__).parent / "results"
+METHODS = ["turboquant", "kivi", "summary", "summary+turboquant", "streaming_llm", "snapkv"]
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def _needs(name: str) -> dict:
+    return {k: True for k, v in make_method(name).prefill_options().items() if v}
+
+
+def _write(part: str, rows: list[dict], lines: list[str], args, merge_key=None) -> None:
+    out = RESULTS / f"perf_{part}"
+    js = out.with_suffix(".json")
+    old = json.loads(js.read_text())["rows"] if merge_key and js.exists() else []
+    keys = {merge_key(r) for r in rows} if merge_key else set()
+    rows = [r for r in old if merge_key(r) not in keys] + rows
+    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
+    js.write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+    md = [f"# perf {part} ({info['date']}, {args.threads} threads, {args.model})", "", *lines(rows), "",
+          f"Command: `{info['command']}`"]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+# ---------------------------------------------------------------- short-context throughput
+@torch.no_grad()
+def part_short(model, tok, args) -> None:
+    question = "\n\nIn short,"
+    q = tok(question, return_tensors="pt", add_special_tokens=False).input_ids
+    gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+               pad_token_id=tok.eos_token_id)
+    policy = kvsum.Policy()
+    rows = []
+    for L in args.lengths:
+        ctx = prose_ids(tok, L)
+        ids = torch.cat([ctx, q], -1)
+        model.generate(ids, max_new_tokens=2, pad_token_id=tok.eos_token_id)  # warm-up at this length
+        full, pol = [], []
+        for _ in range(args.repeat):  # full and policy interleaved: a noisy neighbour hits both alike
+            full.append(_timed(lambda ids=ids: model.generate(ids, **gen))[1])
+            pol.append(_timed(lambda ctx=ctx: kvsum.generate(model, tok, ctx, question, policy=policy,
+                                                             max_new_tokens=args.new_tokens,
+                                                             min_new_tokens=args.new_tokens))[1])
+        t_full, t_pol = sorted(full)[len(full) // 2], sorted(pol)[len(pol) // 2]
+        choice = policy.choose(L, model).method
+        rows.append(dict(length=L, config="full", tokens_per_s=args.new_tokens / t_full, over_full=1.0))
+        rows.append(dict(length=L, config=f"policy ({choice})", tokens_per_s=args.new_tokens / t_pol,
+                         over_full=t_full / t_pol))
+        for name in args.methods:
+            try:
+                def run(name=name, ctx=ctx, ids=ids):
+                    cache = kvsum.compress(model, ctx, method=name, budget=args.budget)
+                    return model.generate(ids, past_key_values=cache, **gen)
+                _, t = _timed(run)
+                rows.append(dict(length=L, config=name, tokens_per_s=args.new_tokens / t, over_full=t_full / t))
+            except KVSumError as e:
+                rows.append(dict(length=L, config=name, tokens_per_s=None, over_full=None, refused=str(e)))
+        print(rows[-len(args.methods) - 2:], flush=True)
+
+    def lines(rows):
+        Ls = sorted({r["length"] for r in rows})
+        configs = list(dict.fromkeys(r["config"].split(" (")[0] for r in rows))
+        by = {(r["length"], r["config"].split(" (")[0]): r for r in rows}
+        out = [f"Tokens per second (prefill + compression + {args.new_tokens} generated tokens, one request), and "
+               f"speed over the full cache (>1 faster); budget {args.budget} for the methods; full and policy "
+               f"interleaved, median of {args.repeat}.", "",
+               "| config | " + " | ".join(f"{L} tok/s | x full" for L in Ls) + " |",
+               "|---|" + "---|---|" * len(Ls)]
+        for c in configs:
+            cells = []
+            for L in Ls:
+                r = by.get((L, c))
+                cells.append("refused | " if r is None or r["tokens_per_s"] is None else
+                             f"{r['tokens_per_s']:.2f} | {r['over_full']:.3f}")
+            out.append(f"| {c} | " + " | ".join(cells) + " |")
+        picks = {r["length"]: r["config"] for r in rows if r["config"].startswith("policy")}
+        out += ["", "Policy picks: " + ", ".join(f"{L}: {picks[L]}" for L in Ls if L in picks)]
+        return out
+
+    _write("short", rows, lines, args)
+
+
+# ---------------------------------------------------------------- overhead and scaling
+@torch.no_grad()
+def part_overhead(model, tok, args) -> None:
+    from transformers import DynamicCache
+
+    decoder = model.get_decoder()
+    ids = prose_ids(tok, max(args.lengths))
+    kvsum.prefill(model, ids[:, :128])
+    rows = []
+    for L in args.lengths:
+        ctx = ids[:, :L]
+        _, plain = _timed(lambda ctx=ctx: decoder(ctx, past_key_values=DynamicCache(), use_cache=True))
+        pres = {}
+        for name in args.methods:
+            opts = _needs(name)
+            key = tuple(sorted(opts))
+            if key not in pres:
+                pres[key] = _timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, **opts))
+            pre, t_pre = pres[key]
+            try:
+                _, t_c = _timed(lambda pre=pre, name=name: kvsum.compress_prefill(pre, make_method(name), args.budget))
+            except KVSumError as e:
+                rows.append(dict(length=L, method=name, refused=str(e)))
+                continue
+            rows.append(dict(length=L, method=name, budget=args.budget, prefill_s=plain, kvsum_prefill_s=t_pre,
+                             compress_s=t_c, overhead=(t_pre + t_c) / plain))
+            print(rows[-1], flush=True)
+        del pres
+
+    def lines(rows):
+        ok = [r for r in rows if "overhead" in r]
+        Ls = sorted({r["length"] for r in rows})
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        by = {(r["length"], r["method"]): r for r in rows}
+        out = ["(kvsum prefill with the method's extras + compression) / plain prefill, budget "
+               f"{args.budget}; compression seconds in brackets. Lengths measured in separate runs are merged "
+               "(ratios within a length come from one run).", "",
+               "| method | " + " | ".join(str(L) for L in Ls) + " | exponent of compress time |",
+               "|---|" + "---|" * (len(Ls) + 1)]
+        for m in methods:
+            cells = []
+            for L in Ls:
+                r = by.get((L, m))
+                cells.append("" if r is None else "refused" if "refused" in r else
+                             f"{r['overhead']:.3f} ({r['compress_s']:.2f} s)")
+            pts = [(r["length"], r["compress_s"]) for r in ok if r["method"] == m]
+            fit = f"{np.polyfit(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]), 1)[0]:.2f}" \
+                if len(pts) >= 3 else "-"
+            out.append(f"| {m} | " + " | ".join(cells) + f" | {fit} |")
+        plain = {r["length"]: r["prefill_s"] for r in ok}
+        pts = sorted(plain.items())
+        if len(pts) >= 3:
+            e = np.polyfit(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]), 1)[0]
+            out += ["", "Plain prefill seconds: " + ", ".join(f"{L}: {s:.2f}" for L, s in pts) +
+                    f" (exponent {e:.2f})"]
+        out += ["", "Exponent: slope of log(compression seconds) on log(context length), least squares over the "
+                "lengths measured (1 = linear)."]
+        return out
+
+    _write("overhead", rows, lines, args, merge_key=lambda r: (r["length"], r["method"]))
+
+
+# ---------------------------------------------------------------- decode step vs length and budget
+@torch.no_grad()
+def part_decode(model, tok, args) -> None:
+    ids = prose_ids(tok, max(args.lengths))
+    token = ids[:, :1]
+    opts = {}
+    for name in args.methods:
+        opts.update(_needs(name))
+    rows = []
+    for L in args.lengths:
+        pre = kvsum.prefill(model, ids[:, :L], **opts)
+        budgets = args.budgets if L in args.budget_lengths else [args.budget]
+        caches = {("full", 1.0): kvsum.compress_prefill(pre, make_method("full"), 1.0)}
+        nbytes = {}
+        for name in args.methods:
+            for b in budgets:
+                try:
+                    c = kvsum.compress_prefill(pre, make_method(name), b)
+                except KVSumError:
+                    continue
+                caches[(name, b)] = c
+                nbytes[(name, b)] = c.nbytes() / c.reference_nbytes
+        del pre
+        steps = step_times(model, caches, token, args.rounds)
+        full = steps[("full", 1.0)]
+        for (name, b), s in steps.items():
+            rows.append(dict(length=L, method=name, budget=b, step_ms=s * 1000, over_full=s / full,
+                             ratio=nbytes.get((name, b), 1.0)))
+        print([r for r in rows if r["length"] == L], flush=True)
+        del caches
+
+    def lines(rows):
+        Ls = sorted({r["length"] for r in rows})
+        out = [f"Median decode-step time (one token, {args.rounds} rounds, all caches of a length stepped "
+               "round-robin) over the full cache's at the same length.", "", f"## Against context length "
+               f"(budget {args.budget})", "", "| method | " + " | ".join(str(L) for L in Ls) + " |",
+               "|---|" + "---|" * len(Ls)]
+        by = {(r["length"], r["method"], r["budget"]): r for r in rows}
+        fl = " | ".join(f"{by[(L, 'full', 1.0)]['step_ms']:.1f} ms" for L in Ls)
+        out.append(f"| full | {fl} |")
+        for m in args.methods:
+            cells = [f"{by[(L, m, args.budget)]['over_full']:.3f}" if (L, m, args.budget) in by else "refused"
+                     for L in Ls]
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
+        for L in args.budget_lengths:
+            if L not in Ls:
+                continue
+            out += ["", f"## Against the budget at {L} tokens (step / full step; bytes ratio in brackets)", "",
+                    "| method | " + " | ".join(str(b) for b in args.budgets) + " |",
+                    "|---|" + "---|" * len(args.budgets)]
+            for m in args.methods:
+                cells = [f"{by[(L, m, b)]['over_full']:.3f} ({by[(L, m, b)]['ratio']:.3f})" if (L, m, b) in by
+                         else "refused" for b in args.budgets]
+                out.append(f"| {m} | " + " | ".join(cells) + " |")
+        return out
+
+    _write("decode", rows, lines, args, merge_key=lambda r: (r["length"], r["method"], r["budget"]))
+
+
+# ---------------------------------------------------------------- memory
+def _rss() -> tuple[int, int]:
+    """(current, peak) resident bytes of this process."""
+    status = Path("/proc/self/status").read_text()
+
+    def field(name):
+        return int(status.split(name + ":")[1].split()[0]) * 1024
+    return field("VmRSS"), field("VmHWM")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+@torch.no_grad()
+def part_memory(model, tok, args) -> None:
+    L = args.lengths[0]
+    ids = prose_ids(tok, L)
+    opts = {}
+    for name in args.methods:
+        opts.update(_needs(name))
+    _reset_peak()
+    before, _ = _rss()
+    pre = kvsum.prefill(model, ids, **opts)
+    after, peak = _rss()
+    full_bytes = pre.cache.nbytes()
+    rows = [dict(method="(prefill)", length=L, cache_bytes=full_bytes, held_before=before, peak_extra=peak - before,
+                 over_full=(peak - before) / full_bytes)]
+    for name in args.methods:
+        _reset_peak()
+        base, _ = _rss()
+        try:
+            cache = kvsum.compress_prefill(pre, make_method(name), args.budget)
+        except KVSumError as e:
+            rows.append(dict(method=name, length=L, refused=str(e)))
+            continue
+        _, peak = _rss()
+        extra = peak - base  # over what was held before compressing (the model + the full cache)
+        rows.append(dict(method=name, length=L, budget=args.budget, cache_bytes=cache.nbytes(),
+                         ratio=cache.nbytes() / cache.reference_nbytes, peak_extra=extra,
+                         over_full=extra / full_bytes))
+        print(rows[-1], flush=True)
+        del cache
+
+    def lines(rows):
+        p = rows[0]
+        out = [f"At {L} tokens, budget {args.budget}. The full cache the prefill holds (model dtype): "
+               f"{p['cache_bytes'] / 2**20:.1f} MiB; the prefill itself peaked {p['peak_extra'] / 2**20:.1f} MiB "
+               "above what was resident before it (cache, activations, attention masks).", "",
+               "Peak extra: the process's peak resident memory during compress_prefill minus what was resident "
+               "just before (model + full cache); over full: that peak over the full cache's bytes "
+               "(the compressed cache itself is part of the peak).", "",
+               "| method | cache.nbytes() MiB | bytes ratio | peak extra MiB | peak extra / full cache |",
+               "|---|---|---|---|---|"]
+        for r in rows[1:]:
+            if "refused" in r:
+                out.append(f"| {r['method']} | refused | | | |")
+                continue
+            out.append(f"| {r['method']} | {r['cache_bytes'] / 2**20:.2f} | {r['ratio']:.3f} | "
+                       f"{r['peak_extra'] / 2**20:.1f} | {r['over_full']:.3f} |")
+        return out
+
+    _write("memory", rows, lines, args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=["short", "overhead", "decode", "memory"])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125, 0.0625])
+    ap.add_argument("--budget-lengths", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    default_lengths = dict(short=[64, 128, 256, 512], overhead=[1024, 2048, 4096], decode=[1024, 2048, 4096],
+                           memory=[8192])
+    args.lengths = args.lengths or default_lengths[args.part]
+    if args.part == "memory" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # glibc reads it at start: re-exec with it set
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    torch.set_num_threads(args.threads)
+    model, tok = kvsum.load_model(args.model)
+    t0 = time.perf_counter()
+    dict(short=part_short, overhead=part_overhead, decode=part_decode, memory=part_memory)[args.part](model, tok, args)
+    print(f"{args.part}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

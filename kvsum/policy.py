@@ -1,0 +1,189 @@
+"""`kvsum.Policy`: full cache where compression does not pay, compressed where it does or where memory binds.
+
+The thresholds come from a break-even table measured on the machine (`kvsum bench breakeven`, see
+kvsum/breakeven.py; one measured here ships with kvsum), never from constants picked by hand:
+  - `compress_from`: the shortest context at which the middle or the long method's total time (prefill,
+    compression, `new_tokens` decode steps) is within the latency slack of the full cache's (slack 0 for
+    latency="fast", 5% for "balanced"; latency="memory" compresses whatever the length);
+  - `long_from`: the context length from which the long method (summarization) takes less total time than
+    the middle one (low-bit quantization), whose per-step unpacking grows with the context.
+Rules, for a context of T tokens and a memory budget `memory` (a fraction of the full 16-bit cache, or
+bytes; None: memory does not bind):
+  1. memory does not bind: the full cache below `compress_from`; above it the middle method below
+     `long_from` and the long method from it, both at the measured budget;
+  2. memory binds: compress to it; the middle method below `long_from` unless the budget is under
+     what low-bit codes can reach (`mid_min_budget`), the long method otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import KVSumError
+
+LATENCY = {"fast": 0.0, "balanced": 0.05, "memory": None}  # allowed total-time slack over the full cache
+
+
+def _gap(long: float | None, mid: float | None) -> float:
+    """long - mid total-time ratios; a method that refused a length (None) loses there."""
+    if long is None:
+        return math.inf
+    return -math.inf if mid is None else long - mid
+
+
+def _fmt(tokens: int | None) -> str:
+    return "never" if tokens is None else str(tokens)
+
+
+@dataclass
+class Decision:
+    """What the policy picked for one request, and why (one line, with the thresholds used)."""
+
+    method: str
+    budget: float
+    knobs: dict
+    reason: str
+
+
+@dataclass
+class Policy:
+    """Rules from a request to (method, knobs, budget); see the module docstring.
+
+    `memory`: fraction in (0, 1] of the full 16-bit cache, or bytes (an int > 1); `latency`: "fast",
+    "balanced" or "memory"; `mid` and `long`: the methods of the middle and long ranges (`long` None:
+    "summary+turboquant" if the table measured it, else "summary"); `knobs`: per-method knobs;
+    `table`: a break-even table or the path of one (None: the table shipped with kvsum).
+    """
+
+    memory: float | int | None = None
+    latency: str = "balanced"
+    mid: str = "turboquant"
+    long: str | None = None
+    budget: float | None = None  # budget when only time drives compression (None: the table's)
+    mid_min_budget: float = 0.15  # under ~2 bits per coordinate (incl. norms), quantization is left to `long`
+    knobs: dict = field(default_factory=dict)
+    table: dict | str | Path | None = None
+
+    def __post_init__(self):
+        from .breakeven import load
+
+        if self.latency not in LATENCY:
+            raise KVSumError(f"latency={self.latency!r}; accepted: {', '.join(LATENCY)}")
+        self._check_memory(self.memory)
+        self.table = self.table if isinstance(self.table, dict) else load(self.table)
+        if self.long is None:
+            self.long = "summary+turboquant" if "summary+turboquant" in self.table["methods"] else "summary"
+        if self.budget is None:
+            self.budget = float(self.table.get("budget", 0.25))
+
+    @staticmethod
+    def _check_memory(memory) -> None:
+        ok = memory is None or (isinstance(memory, (int, float)) and not isinstance(memory, bool) and memory > 0
+                                and (memory <= 1 or float(memory).is_integer()))
+        if not ok:
+            raise KVSumError(f"memory must be None, a fraction in (0, 1] of the full 16-bit cache or a number of "
+                             f"bytes (an integer > 1), got {memory!r}")
+
+    def thresholds(self, latency: str | None = None) -> dict:
+        """{"compress_from": tokens or None (never), "long_from": tokens or None} for a latency preference."""
+        from .breakeven import crossing
+
+        latency = latency or self.latency
+        slack = LATENCY[latency]
+        Ls = self.table["lengths"]
+        rows = self.table["methods"]
+        if slack is None:
+            start = 0
+        else:
+            found = [crossing(Ls, rows[m]["ratio"], 1 + slack) for m in (self.mid, self.long) if m in rows]
+            found = [x for x in found if x is not None]
+            start = min(found) if found else None
+        if self.long in rows and self.mid in rows:
+            gap = [_gap(a, b) for a, b in zip(rows[self.long]["ratio"], rows[self.mid]["ratio"])]
+            long_from = crossing(Ls, gap, 0.0)
+        else:
+            long_from = 0 if self.long in rows else None
+        return {"compress_from": start, "long_from": long_from}
+
+    def choose(self, context_len: int, model=None, memory=None, latency: str | None = None) -> Decision:
+        """The decision for a context of `context_len` tokens (`model` is needed for a memory budget in bytes)."""
+        if latency is not None and latency not in LATENCY:
+            raise KVSumError(f"latency={latency!r}; accepted: {', '.join(LATENCY)}")
+        memory = self.memory if memory is None else memory
+        self._check_memory(memory)
+        frac = self._fraction(memory, context_len, model)
+        th = self.thresholds(latency)
+        start, long_from = th["compress_from"], th["long_from"]
+        is_long = long_from is not None and context_len >= long_from
+        where = f"compress_from={_fmt(start)}, long_from={_fmt(long_from)} tokens"
+        if frac is None or frac >= 1:
+            if start is None or context_len < start:
+                return Decision("full", 1.0, {}, f"{context_len} tokens: below the break-even length ({where})")
+            method = self.long if is_long else self.mid
+            return self._decide(method, self.budget, f"{context_len} tokens: compression pays ({where})")
+        if is_long or frac < self.mid_min_budget:
+            why = "long context" if is_long else f"budget under {self.mid_min_budget} (beyond low-bit codes)"
+            return self._decide(self.long, frac, f"memory binds at {frac:.3f}; {why} ({where})")
+        return self._decide(self.mid, frac, f"memory binds at {frac:.3f}; middle range ({where})")
+
+    def _decide(self, method: str, budget: float, reason: str) -> Decision:
+        return Decision(method, min(1.0, budget), dict(self.knobs.get(method, {})), reason)
+
+    @staticmethod
+    def _fraction(memory, context_len: int, model) -> float | None:
+        if memory is None or memory <= 1:
+            return None if memory is None else float(memory)
+        if model is None:
+            raise KVSumError("a memory budget in bytes needs the model (choose(context_len, model=...))")
+        from .compress import ModelShape
+
+        _, glob = ModelShape.of(model).reference_nbytes(context_len)
+        return float(memory) / glob if glob else 1.0
+
+    def compress(self, model, input_ids, memory=None, latency: str | None = None, **kwargs):
+        """kvsum.compress with the method and budget this policy picks for `input_ids`; `cache.decision` says why."""
+        from .compress import check_ids, compress
+
+        ids = check_ids(model, input_ids)
+        d = self.choose(ids.shape[-1], model, memory, latency)
+        cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
+        cache.decision = d
+        return cache
+
+
+def generate(model, tokenizer, context, question: str = "", policy: Policy | None = None,
+             max_new_tokens: int = 64, return_cache: bool = False, **gen_kwargs):
+    """Answer `question` about `context` (text or (1, T) ids) greedily, the context's cache chosen by `policy`.
+
+    When the policy keeps the full cache, this is exactly `model.generate` on context + question (no kvsum
+    prefill, no extra work); otherwise the context is compressed first and the question read on top of it.
+    Returns the generated text, or (text, cache) with `return_cache` (the cache's `decision` says why).
+    """
+    import torch
+
+    from .compress import check_ids
+
+    policy = policy if policy is not None else Policy()
+    ctx = context if isinstance(context, torch.Tensor) else tokenizer(context, return_tensors="pt").input_ids
+    device = next(model.parameters()).device
+    ctx = check_ids(model, ctx.to(device))
+    q = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    ids = torch.cat([ctx, q], dim=-1)
+    d = policy.choose(ctx.shape[-1], model)
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, **gen_kwargs)
+    if d.method == "full":
+        cache = None
+        if return_cache:
+            from transformers import DynamicCache
+
+            cache = gen["past_key_values"] = DynamicCache()
+        out = model.generate(ids, **gen)
+    else:
+        cache = policy.compress(model, ctx)
+        out = model.generate(ids, past_key_values=cache, **gen)
+    if cache is not None:
+        cache.decision = d
+    text = tokenizer.decode(out[0, ids.shape[-1]:], skip_special_tokens=True)
+    return (text, cache) if return_cache else text

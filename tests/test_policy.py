@@ -1,0 +1,123 @@
+import math
+
+import pytest
+
+import kvsum
+from kvsum.breakeven import crossing, markdown, measure
+from kvsum.errors import KVSumError
+
+from .conftest import tiny_llama
+
+LENGTHS = [256, 512, 1024, 2048, 4096]
+
+
+def table(mid=(2.0, 1.9, 1.8, 1.7, 1.6), long=(1.5, 1.3, 1.1, 0.95, 0.8), budget=0.25):
+    rows = {"turboquant": {"ratio": list(mid)}, "summary": {"ratio": list(long)}}
+    return {"lengths": LENGTHS, "new_tokens": 64, "budget": budget, "methods": rows}
+
+
+def test_crossing_interpolates_in_log_length_and_needs_to_stay_below():
+    assert crossing(LENGTHS, [1.5, 1.3, 1.1, 0.9, 0.8]) == round(math.exp((math.log(1024) + math.log(2048)) / 2))
+    assert crossing(LENGTHS, [0.9, 0.9, 0.9, 0.9, 0.9]) == 256
+    assert crossing(LENGTHS, [0.9, 1.2, 0.9, 1.1, 1.2]) is None  # ends above: never
+    assert crossing(LENGTHS, [0.9, 1.2, 0.8, 0.9, 0.7]) == crossing(LENGTHS, [2, 1.2, 0.8, 0.9, 0.7])  # dip ignored
+    assert crossing(LENGTHS, [None, None, 0.9, 0.8, 0.7]) == 1024  # refused lengths count as above
+
+
+def test_thresholds_come_from_the_table():
+    p = kvsum.Policy(table=table())
+    assert p.long == "summary"  # no summary+turboquant measured
+    th = p.thresholds("fast")
+    assert th["compress_from"] == crossing(LENGTHS, list(table()["methods"]["summary"]["ratio"]), 1.0)
+    assert th["long_from"] == 256  # summary is cheaper than turboquant everywhere in this table
+    assert p.thresholds("memory")["compress_from"] == 0
+    slower = kvsum.Policy(table=table(long=(1.5, 1.4, 1.3, 1.2, 1.1)))
+    assert slower.thresholds()["compress_from"] is None  # never pays within the grid
+
+
+def test_full_below_break_even_mid_then_long():
+    # turboquant cheaper than summary below ~1.4k, and both pay from 512 on
+    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)), latency="fast")
+    th = p.thresholds()
+    assert 256 < th["compress_from"] < 512 < th["long_from"] < 2048
+    assert p.choose(200).method == "full" and p.choose(200).budget == 1.0
+    d = p.choose(700)
+    assert (d.method, d.budget) == ("turboquant", 0.25)
+    assert p.choose(3000).method == "summary"
+    assert "compress_from" in d.reason
+
+
+def test_memory_binding_compresses_whatever_the_length():
+    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)))
+    assert p.choose(100, memory=0.5).method == "turboquant" and p.choose(100, memory=0.5).budget == 0.5
+    assert p.choose(100, memory=0.1).method == "summary"  # below what low-bit codes reach
+    assert p.choose(3000, memory=0.3).method == "summary"
+    assert p.choose(100, memory=1.0).method == "full"
+
+
+def test_memory_in_bytes_uses_the_model_shape():
+    model = tiny_llama()  # 2 layers, 2 KV heads, head dim 16: 256 bytes per token at 16 bits
+    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)))
+    d = p.choose(100, model, memory=256 * 100 // 2)
+    assert (d.method, d.budget) == ("turboquant", 0.5)
+    assert p.choose(100, model, memory=10 ** 9).method == "full"
+    with pytest.raises(KVSumError, match="needs the model"):
+        p.choose(100, memory=4096)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(latency="quick"), "latency"), (dict(memory=-1), "memory"),
+                                           (dict(memory=2.5), "memory"),
+                                           (dict(table="/nonexistent.json"), "cannot read")])
+def test_bad_arguments_name_what_is_accepted(kwargs, match):
+    with pytest.raises(KVSumError, match=match):
+        kvsum.Policy(**{"table": table(), **kwargs})
+
+
+def test_compress_with_policy_follows_the_decision(ids):
+    model = tiny_llama()
+    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)),
+                     mid="streaming_llm", long="snapkv", knobs={"streaming_llm": {"sinks": 2}})
+    short = kvsum.compress(model, ids[:, :200], policy=p)
+    assert short.decision.method == "full" and short.method == "full"
+    assert short.get_seq_length() == 200
+    mid = p.compress(model, ids, memory=0.5)
+    assert mid.decision.method == "streaming_llm" and mid.method == "streaming_llm"
+    assert mid.ratio() <= 0.5 + 0.02
+    assert mid.layers[0].state.lengths() == kvsum.compress(model, ids, method="streaming_llm", budget=0.5,
+                                                          sinks=2).layers[0].state.lengths()
+
+
+def test_shipped_table_loads_and_gives_a_policy():
+    p = kvsum.Policy()
+    assert set(p.table["lengths"]) and p.mid in p.table["methods"] and p.long in p.table["methods"]
+    assert p.choose(64).method == "full"  # compression never pays on a 64-token prompt
+
+
+def test_measure_writes_a_table_the_policy_loads(ids):
+    model = tiny_llama()
+    t = measure(model, None, methods=["streaming_llm", "kivi"], lengths=[64, 128], new_tokens=4, rounds=1, ids=ids)
+    assert t["lengths"] == [64, 128] and t["new_tokens"] == 4
+    r = t["methods"]["streaming_llm"]
+    assert len(r["ratio"]) == 2 and all(x > 0 for x in r["ratio"]) and len(t["full"]["step_s"]) == 2
+    assert t["methods"]["kivi"]["ratio"] == [None, None] and "64" in t["methods"]["kivi"]["refused"]
+    assert "| kivi | refused | refused | never |" in markdown(t)
+    p = kvsum.Policy(table=t, mid="streaming_llm", long="streaming_llm")
+    assert p.choose(100).method in ("full", "streaming_llm")
+
+
+@pytest.mark.model
+def test_generate_with_the_full_cache_is_plain_generate(smollm2):
+    model, tok = smollm2
+    ctx = "The special code for the falcon is 48213. " * 4
+    text, cache = kvsum.generate(model, tok, ctx, "\n\nThe special code for the falcon is", max_new_tokens=8,
+                                 return_cache=True)
+    assert cache.decision.method == "full"
+    ids = tok(ctx + "\n\nThe special code for the falcon is", return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert text == tok.decode(ref[0, ids.shape[-1]:], skip_special_tokens=True)
+    assert "48213" in text
+    forced = kvsum.Policy(memory=0.5)
+    text2, cache2 = kvsum.generate(model, tok, ctx, "\n\nThe special code for the falcon is", policy=forced,
+                                   max_new_tokens=8, return_cache=True)
+    assert cache2.decision.method != "full" and cache2.ratio() <= 0.6
+    assert isinstance(text2, str) and text2
