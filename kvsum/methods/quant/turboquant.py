@@ -9,6 +9,9 @@ unbiased (the MSE quantizer alone shrinks inner products).
 Two attention paths hold the same codes and give the same numbers: `dequant` rebuilds keys and values
 in the original basis; `rotated` rotates the queries once, scores them against codebook lookups in the
 rotated basis and rotates the mixed values back once.
+
+While decoding, generated tokens are coded `group` at a time into the same stores (QuantStream), with the
+prompt's rotation, codebooks and outlier-channel split.
 """
 
 from __future__ import annotations
