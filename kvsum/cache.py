@@ -67,6 +67,12 @@ class BatchState:
         return BatchState([self.states[int(i)] for i in index])
 
 
+def _check_batch(layer, key_states: torch.Tensor) -> None:
+    if layer.is_initialized and layer.keys.dim() == 4 and layer.keys.shape[0] != key_states.shape[0]:
+        raise KVSumError(f"the cache holds {layer.keys.shape[0]} sequence(s), the model input {key_states.shape[0]}; "
+                         "compress the whole batch with kvsum.compress(model, ids, attention_mask=...)")
+
+
 def _as_batch(state) -> BatchState:
     return state if isinstance(state, BatchState) else BatchState([state])
 
@@ -86,6 +92,7 @@ class KVSumLayer(DynamicLayer):
         self.device, self.is_initialized = empty_tail.device, True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        _check_batch(self, key_states)
         keys, values = super().update(key_states, value_states)
         if self.stream is not None:
             self.stream.step(self, key_states.shape[-2])  # may fold old tail tokens into the state
@@ -150,6 +157,7 @@ class KVSumSlidingLayer(DynamicSlidingWindowLayer):
     stream = None
 
     def update(self, key_states, value_states, *args, **kwargs):
+        _check_batch(self, key_states)
         out = super().update(key_states, value_states, *args, **kwargs)
         hand_over(None)
         return out

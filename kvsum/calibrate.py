@@ -257,7 +257,8 @@ class Artifact:
         try:
             d = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise KVSumError(f"{str(path)!r} is not a kvsum calibration artifact ({e})") from None
+            raise KVSumError(f"{str(path)!r} is not a kvsum calibration artifact ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise KVSumError(f"{str(path)!r} is not a kvsum calibration artifact (format {FORMAT})")
         art = cls(d["meta"], d["stats"], d["rope"])

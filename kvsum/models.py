@@ -85,6 +85,7 @@ def _convert(name: str, target: Path) -> None:
 
 def resolve(name_or_path: str) -> Path:
     """A local folder for `name_or_path`, converting a bundled GGUF model the first time."""
+    name_or_path = str(name_or_path)
     if name_or_path in BUNDLED:
         target = cache_dir() / name_or_path
         if not (target / "config.json").exists():
@@ -108,6 +109,11 @@ def load_model(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float32
 
     if attn not in ("sdpa", "eager"):
         raise KVSumError(f"attn must be 'sdpa' or 'eager', got {attn!r}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise KVSumError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+    if not isinstance(name_or_path, (str, Path)):
+        raise KVSumError(f"name_or_path must be a bundled model name ({', '.join(BUNDLED)}) or a folder, "
+                         f"got {type(name_or_path).__name__}")
     folder = resolve(name_or_path)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn)

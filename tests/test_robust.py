@@ -169,3 +169,69 @@ def test_gemma_repeat_scoring_crops_the_windows():
     for a, b in zip(pre.cache.layers, ref.cache.layers):
         assert a.get_seq_length() == 100
         torch.testing.assert_close(a.keys, b.keys)
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+def _bad_input_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bad_input.py"
+    spec = importlib.util.spec_from_file_location("kvsum_bad_input", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_bad_input_gives_one_clear_error():
+    """The cases of benchmarks/bad_input.py (its table is benchmarks/results/bad_input.md)."""
+    cases = _bad_input_module().cases()
+    assert len(cases) >= 45
+    for what, call in cases:
+        with pytest.raises(kvsum.KVSumError) as info:
+            call()
+        assert "\n" not in str(info.value) and len(str(info.value)) > 20, what
+
+
+class _FailOn:
+    """A method that fails on one layer, after the others succeeded."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self):
+        fail = self.layer
+
+        class Boom(kvsum.Method):
+            name = "boom"
+
+            def compress(self, x):
+                if x.layer_idx == fail:
+                    raise RuntimeError("boom")
+                return x.keep([torch.arange(3)] * x.H)
+
+        return Boom()
+
+
+def test_failed_compression_leaves_gemma_prefill_intact():
+    model = tiny_gemma()
+    ctx = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    pre = kvsum.prefill(model, ctx)
+    before = [(type(layer), layer.keys.clone(), layer.get_seq_length()) for layer in pre.cache.layers]
+    with pytest.raises(RuntimeError):
+        kvsum.compress_prefill(pre, _FailOn(5)(), 0.25, consume=True)
+    for (kind, keys, seen), layer in zip(before, pre.cache.layers):
+        assert type(layer) is kind and torch.equal(keys, layer.keys) and layer.get_seq_length() == seen
+    cache = kvsum.compress_prefill(pre, "streaming_llm", 0.25)  # still usable
+    assert cache.get_seq_length() == 100
+
+
+def test_failed_decoding_step_leaves_the_cache_as_it_was(tiny, ids):
+    """A bad input to a compressed cache is refused before any layer changes."""
+    cache = kvsum.compress(tiny, ids, method="streaming_llm")
+    held, seen = cache.nbytes(), cache.get_seq_length()
+    with pytest.raises(kvsum.KVSumError, match="the cache holds 1 sequence"):
+        with torch.no_grad():
+            tiny(ids[:, :2].expand(2, -1), past_key_values=cache)
+    assert cache.nbytes() == held and cache.get_seq_length() == seen

@@ -67,6 +67,8 @@ REGISTRY: dict[str, type[Method]] = {}
 
 def register(cls):
     """Class decorator: make a method available to kvsum.compress by its `name`."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)) or not isinstance(cls.name, str) or not cls.name:
+        raise KVSumError(f"register takes a kvsum.Method subclass with a non-empty `name`, got {cls!r}")
     REGISTRY[cls.name] = cls
     return cls
 
