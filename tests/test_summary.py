@@ -143,3 +143,45 @@ def test_prefill_extras_run_only_when_a_method_asks(tiny, ids):
     assert make_method("summary").prefill_options()["surprisal"]
     assert not any(make_method("summary", score="sharp_mass").prefill_options().values())
     assert make_method("streaming_llm").prefill_options() == {}
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_cover_at_full_rank_is_exact_and_masks_anchors(rope):
+    """The low-rank cover at full rank reproduces attention over its tokens (RoPE undone and redone exactly),
+    and the tokens held as anchors are masked out of it for their own head only."""
+    from kvsum.calibrate import rope_tables, rotate
+    from kvsum.methods.summary.cover import CoverState
+
+    g = torch.Generator().manual_seed(0)
+    H, T, d = 3, 50, 16
+    tables = {"inv_freq": 1 / 10000 ** (torch.arange(0, d, 2).float() / d), "scaling": 1.0}
+    keys = rotate(torch.randn(H, T, d, generator=g), *rope_tables(tables["inv_freq"], 1.0, T))
+    values = torch.randn(H, T, d, generator=g)
+    exclude = torch.zeros(H, T, dtype=torch.bool)
+    exclude[:, :2] = True
+    exclude[1, 10] = True
+    state = CoverState(keys, values, H * d, H * d, exclude, tables if rope else None, torch.float32)
+    q = torch.randn(1, H, 4, d, generator=g)
+    ref = (q[0] @ keys.transpose(1, 2) * 0.25).masked_fill(exclude[:, None], float("-inf"))[None]
+    s = state.scores(q, 0.25)
+    assert torch.equal(torch.isinf(s), torch.isinf(ref))
+    torch.testing.assert_close(s.masked_fill(torch.isinf(s), 0), ref.masked_fill(torch.isinf(ref), 0),
+                               atol=1e-4, rtol=1e-4)
+    p = torch.softmax(s, -1)
+    torch.testing.assert_close(state.mix(p), p @ values[None], atol=1e-4, rtol=1e-4)
+    assert state.lengths() == [48, 47, 48]
+
+
+@pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2)])
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=budget, **knobs)
+    assert (budget - 0.03) * cache.reference_nbytes <= cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
+    assert all(n == ids.shape[1] for layer in cache.layers for n in layer.lengths())  # anchors + cover = all
+    out = tiny.generate(torch.cat([ids, ids[:, :4]], -1), cache=cache, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+
+
+def test_cover_beyond_the_budget_is_a_clear_error(tiny, ids):
+    with pytest.raises(kvsum.KVSumError, match="cover"):
+        kvsum.compress(tiny, ids, method="summary", budget=0.1, cover_bits=2)

@@ -20,6 +20,8 @@ import torch
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..base import LayerInput, Method, register
+from ..quant.turboquant import TurboQuant
+from .cover import CoverState, MaskedState, cover_bytes
 from .fit import (
     causal_logits,
     fit_chunk_summaries,
@@ -59,9 +61,12 @@ class Summary(Method):
     score: str = "hybrid"  # anchor score: "surprisal", or from attention: "sharp_mass", "max", "mass"
     max_refs: int = 384  # reference query rows per KV head used by the fits
     span: int = 9  # average the token score over a span of neighbours: facts are spans of tokens
+    cover_share: float = 0.0  # bytes of the low-rank cover of every non-anchor token (cover.py)
+    cover_bits: float = 0  # > 0: the cover is TurboQuant codes of every token at these bits instead
+    key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
-        for knob in ("anchor_share", "lowrank_share"):
+        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
         if self.anchor_share + self.lowrank_share > 1:
@@ -82,19 +87,32 @@ class Summary(Method):
         weight = torch.stack([self._diffuse[x.layer_idx].mean() for x in inputs])
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
         w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
-        f = (budget * w / w.mean()).clamp(max=1.0)
+        x = inputs[0]  # the cover costs every layer the same; only the anchors' bytes are spread
+        base = min(budget, self._cover(x, torch.empty(0, dtype=x.storage).element_size())[1]
+                   / (2 * x.H * x.T * x.d * 2))
+        f = (base + (budget - base) * w / w.mean()).clamp(max=1.0)
         return [float(v) for v in f * (budget * len(inputs) / f.sum()).clamp(max=1.0)]
 
     def compress(self, x: LayerInput):
         if x.queries is None:
             raise KVSumError("summary needs reference queries (use kvsum.compress, which captures them)")
         elem = torch.empty(0, dtype=x.storage).element_size()
+        cover, spend = self._cover(x, elem)
+        if spend > x.budget_bytes:
+            raise KVSumError(f"summary: the cover (cover_bits={self.cover_bits}) alone exceeds the budget")
+        left = int(x.budget_bytes - spend)
         diffuse = getattr(self, "_diffuse", None) if self.entropy_allocation else None
         if diffuse is not None:  # diffuse heads get more of the layer's bytes
-            per_head = split_by_weight(int(x.budget_bytes), 0.5 + diffuse[x.layer_idx], 0, int(x.budget_bytes))
+            per_head = split_by_weight(left, 0.5 + diffuse[x.layer_idx], 0, left)
         else:
-            per_head = [int(x.budget_bytes / x.H)] * x.H
-        heads = [self._head(x, h, per_head[h], elem) for h in range(x.H)]
+            per_head = [left // x.H] * x.H
+        heads = [self._head(x, h, per_head[h], elem, anchors_only=cover is not None) for h in range(x.H)]
+        if cover is not None:  # anchors exact, every other token in the cover
+            exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
+            for h, (a, _, _) in enumerate(heads):
+                exclude[h, a[2]] = True
+            entries = EntryState([a[0] for a, _, _ in heads], [a[1] for a, _, _ in heads], dtype=x.storage)
+            return ConcatState([entries, cover(exclude)])
         entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in heads],
                              [torch.cat([a[1], s[2]]) for a, s, _ in heads],
                              [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]]) for a, s, _ in heads],
@@ -103,6 +121,22 @@ class Summary(Method):
         if any(len(k) for k, _, _ in lowrank):
             return ConcatState([entries, LowRankState(lowrank, x.storage)])
         return entries
+
+    def _cover(self, x: LayerInput, elem: int):
+        """(a function exclude -> cover state, its bytes), or (None, 0) without a cover."""
+        if self.cover_bits:
+            tq = TurboQuant(bits=self.cover_bits)
+            return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx), ex),
+                    tq.nbytes(x.H, x.T, x.d, self.cover_bits) + x.H * x.T)
+        if self.cover_share > 0:
+            n = x.H * x.d
+            budget = int(x.budget_bytes * self.cover_share)
+            total = max(0, (budget - x.H * x.T - 2 * n * elem) // ((n + x.T) * elem))
+            rk = min(n, round(total * self.key_share))
+            rv = min(n, total - rk)
+            return (lambda ex: CoverState(x.keys, x.values, rk, rv, ex, x.rope, x.storage),
+                    cover_bytes(x.T, x.H, x.d, rk, rv, elem))
+        return None, 0
 
     def _importance(self, x: LayerInput, q, pos, h: int):
         """Anchor score per token: surprisal averaged over a span, or a statistic of reference attention.
@@ -138,19 +172,21 @@ class Summary(Method):
                                                count_include_pad=False)[0, 0, :x.T]
         return s
 
-    def _head(self, x: LayerInput, h: int, budget: int, elem: int):
+    def _head(self, x: LayerInput, h: int, budget: int, elem: int, anchors_only: bool = False):
         T, d = x.T, x.d
-        entry = (2 * d + 1) * elem  # key + value + the bias slot every packed entry carries
+        entry = (2 * d + int(not anchors_only)) * elem  # key + value (+ the bias slot summaries need)
         q, pos = group_queries(x, h, self.max_refs)
         importance = self._importance(x, q, pos, h)
         # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
-        n_anchor = min(T, int(budget * self.anchor_share) // entry)
+        n_anchor = min(T, int(budget * (1.0 if anchors_only else self.anchor_share)) // entry)
         lr_bytes = int(budget * self.lowrank_share)
         forced = torch.cat([torch.arange(min(self.sinks, T)), torch.arange(max(T - self.window, 0), T)]).unique()
         importance[forced.to(importance.device)] = float("inf")
         order = torch.argsort(importance, descending=True)
         n_anchor = max(n_anchor, 0)
         anchor_idx = order[:n_anchor].sort().values
+        if anchors_only:
+            return (x.keys[h, anchor_idx], x.values[h, anchor_idx], anchor_idx), None, None
         rest = order[n_anchor:]
         # low-rank tier: the next most important tokens, rank as large as the share allows
         rank, n_lr = 0, 0

@@ -1,0 +1,98 @@
+"""The low-rank cover: every token of a layer kept approximately, as coefficients on the prompt's own bases.
+
+Eviction loses query-agnostic retrieval because the fact a later question needs is rarely among the tokens
+an observation window attends to. The cover keeps every token, so nothing is lost outright; anchors (the
+exact entries of the summary method) are masked out of the cover for their own head, so no token is
+counted twice in the softmax.
+
+Per layer, a token's keys of all KV heads form one vector of H*d channels (heads are correlated, so one
+basis over all heads beats one per head at the same bytes), and likewise its values. Both are stored as a
+mean, an orthonormal basis (H*d, r) and per-token coefficients (T, r): a truncated SVD of this prompt's own
+activations, so no calibration is needed. Keys are factored before RoPE (`space="pre"`), where they are far
+closer to low rank, and rotated back at their positions when attention reads them; without the model's
+RoPE tables (`LayerInput.rope`), they are factored as cached (`space="post"`), where the query can be
+projected once and the keys are never rebuilt. Values are mixed in coefficient space and mapped back once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...calibrate import rope_tables, rotate, unrotate
+from ...state import tensor_bytes
+from .fit import lowrank_factors
+
+
+def cover_bytes(T: int, H: int, d: int, rank_k: int, rank_v: int, elem: int) -> int:
+    """Bytes of a cover of T tokens: per side a mean (H*d), a basis (H*d, r) and coefficients (T, r),
+    plus the (H, T) anchor mask as one byte per entry."""
+    n = H * d
+    return sum((n + n * r + T * r) * elem for r in (rank_k, rank_v)) + H * T
+
+
+class CoverState:
+    """keys/values (H, T, d) float32 -> low-rank factors; `exclude` (H, T) bool marks tokens held elsewhere."""
+
+    def __init__(self, keys: Tensor, values: Tensor, rank_k: int, rank_v: int, exclude: Tensor,
+                 rope: dict | None, dtype: torch.dtype):
+        self.H, self.T, self.d = keys.shape
+        self.rope = rope
+        if rope is not None:
+            keys = unrotate(keys, *self._tables(keys.device))
+        flat = {"k": keys.transpose(0, 1).reshape(self.T, -1), "v": values.transpose(0, 1).reshape(self.T, -1)}
+        # the bases are fitted on the tokens the cover serves: anchors held by every head (the attention sinks,
+        # whose keys and values are outliers, and the recent window) would take the top components
+        fit = ~exclude.all(0)
+        self.factors = {}
+        for w, r in (("k", rank_k), ("v", rank_v)):
+            mean, _, basis = lowrank_factors(flat[w][fit], r)
+            coef = (flat[w] - mean) @ basis
+            self.factors[w] = tuple(t.to(dtype).contiguous() for t in (mean, coef, basis))
+        self.exclude = exclude.to(torch.bool).contiguous()
+
+    def _tables(self, device) -> tuple[Tensor, Tensor]:
+        return rope_tables(self.rope["inv_freq"], self.rope["scaling"], self.T, device)
+
+    def lengths(self) -> list[int]:
+        return [self.T - int(n) for n in self.exclude.sum(1)]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(*self.factors["k"], *self.factors["v"], self.exclude)
+
+    def _per_head(self, w: str) -> tuple[Tensor, Tensor, Tensor]:
+        mean, coef, basis = (t.float() for t in self.factors[w])
+        return mean.view(self.H, self.d), coef, basis.view(self.H, self.d, -1)
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        mean, coef, basis = self._per_head("k")
+        if self.rope is None:  # exact in the reduced space: project the query once per head
+            s = (q[0] @ basis) @ coef.t() + (q[0] @ mean[:, :, None])
+        else:
+            keys = (coef @ basis.transpose(1, 2)) + mean[:, None]  # (H, T, d) before RoPE
+            s = q[0] @ rotate(keys, *self._tables(q.device)).transpose(1, 2)
+        return (s * scale).masked_fill(self.exclude[:, None, :], float("-inf"))[None]
+
+    def mix(self, p: Tensor) -> Tensor:
+        mean, coef, basis = self._per_head("v")
+        out = ((p[0] @ coef) @ basis.transpose(1, 2)) + p[0].sum(-1, keepdim=True) * mean[:, None]
+        return out[None]
+
+
+class MaskedState:
+    """Another state over all T tokens of a layer (e.g. TurboQuant codes), with `exclude` (H, T) masked out."""
+
+    def __init__(self, inner, exclude: Tensor):
+        self.inner, self.exclude = inner, exclude.to(torch.bool).contiguous()
+
+    def lengths(self) -> list[int]:
+        return [self.exclude.shape[1] - int(n) for n in self.exclude.sum(1)]
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes() + tensor_bytes(self.exclude)
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        return self.inner.scores(q, scale).masked_fill(self.exclude[None, :, None, :], float("-inf"))
+
+    def mix(self, p: Tensor) -> Tensor:
+        return self.inner.mix(p)
