@@ -264,3 +264,23 @@ def test_calibrate_bundled_model_quickly(smollm2, tmp_path):
     ctx = tok(calibration_text(start=100)[:3000], return_tensors="pt").input_ids[:, :400]
     cache = kvsum.compress(model, ctx, method="lowrank", budget=0.5, artifact=art)
     assert cache.nbytes() <= 0.52 * cache.reference_nbytes
+
+
+def test_echokv_cache_switches_between_full_and_compressed_mode(model, art, ctx):
+    """One cache, two modes: "full" holds the rebuilt channels (more bytes, no rebuild per step) and gives the
+    same logits up to fp16 storage; "compressed" drops them again, bit for bit what it was."""
+    q = _ids(7, 3)
+    cache = kvsum.compress(model, ctx, method="echokv", budget=0.25, artifact=art)
+    small = cache.nbytes()
+    ref = _logits(model, cache, q)
+    cache.crop(-7)
+    assert cache.set_mode("full") is cache and cache.nbytes() >= small + 0.7 * cache.reference_nbytes
+    torch.testing.assert_close(_logits(model, cache, q), ref, atol=2e-2, rtol=0)
+    cache.crop(-7)
+    cache.set_mode("compressed")
+    assert cache.nbytes() == small
+    assert torch.equal(_logits(model, cache, q), ref)
+    with pytest.raises(kvsum.KVSumError, match="accepted: compressed, full"):
+        cache.set_mode("fast")
+    with pytest.raises(kvsum.KVSumError, match="no full/compressed modes"):
+        kvsum.compress(model, ctx, method="streaming_llm", budget=0.5).set_mode("full")

@@ -47,6 +47,7 @@ class EchoState:
                  rope: dict | None):
         self.H, self.T, self.d, self.S, self.layer_idx = x.H, x.T, x.d, sinks, x.layer_idx
         self.prev, self.rope = prev, rope
+        self.expanded: dict[str, Tensor] | None = None  # set_mode("full"): every channel, rebuilt once
         dev = x.keys.device
         self.plans = {w: EchoPlan(**{k: t.to(dev) for k, t in vars(p).items()}) for w, p in plans.items()}
         self.sink = {"k": x.keys[:, :sinks].to(x.storage).contiguous(),
@@ -64,7 +65,16 @@ class EchoState:
         return [self.T] * self.H
 
     def nbytes(self) -> int:
-        return tensor_bytes(*self.sink.values(), *self.stored.values(), *self.index)
+        held = tensor_bytes(*self.expanded.values()) if self.expanded else 0
+        return held + tensor_bytes(*self.sink.values(), *self.stored.values(), *self.index)
+
+    def set_mode(self, mode: str) -> None:
+        """"full": rebuild every channel once and hold it (full bytes, decoding at full-cache speed);
+        "compressed": drop what was rebuilt (the stored channels were never touched, so this is lossless)."""
+        if mode not in MODES:
+            raise KVSumError(f"mode={mode!r}; accepted: {', '.join(MODES)}")
+        dtype = self.stored["k"].dtype
+        self.expanded = {w: self._rebuild(w).to(dtype) for w in "kv"} if mode == "full" else None
 
     def _tables(self):
         """RoPE tables (tokens after the sinks, 1, d), to broadcast over heads."""
@@ -91,6 +101,11 @@ class EchoState:
 
     def rebuilt(self, w: str) -> Tensor:
         """Keys ("k", post-RoPE) or values ("v") of every token and channel, (H, T, d) fp32."""
+        if self.expanded:
+            return self.expanded[w].float()
+        return self._rebuild(w)
+
+    def _rebuild(self, w: str) -> Tensor:
         p, own = self.plans[w], self.stored[w].float()
         if len(p.rest):
             tables = self._tables() if (w == "k" and self.rope is not None) else None
