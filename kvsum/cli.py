@@ -172,7 +172,7 @@ def cmd_report(args) -> None:
                 command="kvsum " + " ".join(sys.argv[1:]))
     state = "complete" if out["complete"] else "INCOMPLETE: run the same command again to resume"
     print(f"wrote {out['html']} and {out['md']}: {out['rows']} rows, {out['cached']} cached results reused, "
-          f"{out['computed']} computed; {state}")
+          f"{out['computed']} not cached before this run; {state}")
     for k, v in out["errors"].items():
         print(f"  error {k}: {v}")
 

@@ -178,8 +178,9 @@ def recommend(rows: list[dict], complexity_rows: list[dict], throughput: list[di
             if not fl:
                 continue
             close = [m for m, r in v["methods"].items() if r["kl"] <= 10 * max(fl["kl"], 1e-12)]
-            ev = (f"{dt}: cache on vs off diverged on {fl['diverged']}/{fl['n']} prompts (first at token "
-                  f"{fl['first']}), mismatch {fl['rate']:.3f}, KL {fl['kl']:.2e}")
+            first = "" if fl["first"] is None else f" (first at token {fl['first']})"
+            ev = (f"{dt}: cache on vs off diverged on {fl['diverged']}/{fl['n']} prompts{first}, mismatch "
+                  f"{fl['rate']:.3f}, KL {fl['kl']:.2e}, largest logit difference {fl['logit_maxdiff']:.3g}")
             adv = ("compare against a cache-on run of the same precision" if fl["diverged"] else
                    "cache on/off agree on these prompts")
             if close:
@@ -188,18 +189,24 @@ def recommend(rows: list[dict], complexity_rows: list[dict], throughput: list[di
     for c in complexity_rows:
         if c["calibration"] is None:
             continue
-        m = c["method"]
-        for b in sorted({k[1] for k in q if k[0] == m}):
+        m, wins, ev = c["method"], [], []
+        for b in sorted({k[1] for k in q if k[0] == m}, reverse=True):
             mine = q[(m, b)]["kl"]
             free = [(v["kl"], k[0]) for k, v in q.items() if k[1] == b and v["kl"] is not None
                     and k[0] != m and not needs_artifact(k[0])]
             if mine is None or not free:
                 continue
             best_kl, best = min(free)
-            cal = c["calibration"]
-            cost = (f"calibration {cal['seconds']:.0f} s, artifact {cal['nbytes'] / 2**20:.1f} MiB"
-                    if cal.get("seconds") is not None and cal.get("nbytes") else "calibration artifact")
-            adv = f"{m} worth its calibration" if mine < best_kl else f"prefer {best} over {m}"
-            recs.append(dict(case=f"operations at budget {b:g}", advice=adv,
-                             evidence=f"{m} KL {mine:.4f} ({cost}) vs best calibration-free {best} KL {best_kl:.4f}"))
+            if mine < best_kl:
+                wins.append(f"{b:g}")
+            ev.append(f"{b:g}: KL {mine:.4f} vs {best} {best_kl:.4f}")
+        if not ev:
+            continue
+        cal = c["calibration"]
+        cost = (f"calibration {cal['seconds']:.0f} s, artifact {cal['nbytes'] / 2**20:.1f} MiB; "
+                if cal.get("seconds") is not None and cal.get("nbytes") else "")
+        adv = (f"{m} is worth its calibration at budget {', '.join(wins)}" if wins else
+               f"prefer a calibration-free method over {m} at every budget")
+        recs.append(dict(case=f"operations: {m}", advice=adv,
+                         evidence=cost + "best calibration-free KL per budget: " + "; ".join(ev)))
     return recs
