@@ -106,14 +106,15 @@ def pareto(rows: list[dict], task: str, methods: list[str]):
     for i, m in enumerate(methods):
         pts = sorted((r["ratio"], r["kl"] if lm else r["score"]) for r in sub if r["method"] == m and m != "full")
         if pts:
-            ax.plot([p[0] for p in pts], [max(p[1], 1e-4) if lm else p[1] for p in pts], label=m, lw=1.3, ms=5,
+            ax.plot([p[0] for p in pts], [max(p[1], 1e-6) if lm else p[1] for p in pts], label=m, lw=1.3, ms=5,
                     **_style(i))
     full = [r for r in sub if r["method"] == "full"]
     if lm:
         ax.set_yscale("log")
-        ax.set_ylabel("KL(full || compressed), nats (log; 0 drawn at 1e-4)")
-        if full:
-            ax.plot([full[0]["ratio"]], [1e-4], "k*", ms=12, label="full cache (KL 0)")
+        ax.set_ylabel("KL(full || compressed), nats (log)")
+        if full:  # KL 0 has no place on a log axis: the full cache is marked by its bytes instead
+            ax.axvline(full[0]["ratio"], color="k", ls="--", lw=1,
+                       label=f"full cache (KL 0, {full[0]['ratio']:.2f} of fp16 bytes)")
     else:
         ax.set_ylabel("accuracy %")
         if full:
