@@ -164,7 +164,7 @@ def cmd_report(args) -> None:
                  tasks=tasks, length=_ints(args.length, "--length")[0], n=args.n, seed=args.seed,
                  perf_budget=_budgets(args.perf_budget)[0], short_lengths=_ints(args.short_lengths, "--short-lengths"),
                  new_tokens=args.new_tokens, scaling_lengths=_ints(args.scaling_lengths, "--scaling-lengths"),
-                 timings=not args.no_timings, threads=args.threads)
+                 timings=args.timings, threads=args.threads)
     store = Store(Path(args.cache) if args.cache else cache_dir() / "report", fresh=args.fresh)
     deadline = time.time() + args.time_limit if args.time_limit else None
     out = build(s, Path(args.out), store, deadline=deadline, stability_json=Path(args.stability),
@@ -262,7 +262,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--short-lengths", default="128,512", help="prompt lengths of the throughput measurement")
     r.add_argument("--new-tokens", type=int, default=32, help="generated tokens per throughput request")
     r.add_argument("--scaling-lengths", default="1024,2048,4096", help="lengths of the overhead/decode measurement")
-    r.add_argument("--no-timings", action="store_true", help="skip the throughput and scaling measurements")
+    r.add_argument("--timings", default="auto", choices=["auto", "measure", "files", "none"],
+                   help="auto: benchmarks/perf.py's results when all present, else measure a small grid")
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--time-limit", type=float, default=0, help="seconds; start no new unit after it (resume later)")
     r.add_argument("--cache", default=None, help="result cache folder (default ~/.cache/kvsum/report)")

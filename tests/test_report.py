@@ -15,7 +15,7 @@ from .test_eval import CharTokenizer
 def _settings(**kw):
     base = dict(model="tiny", methods=["full", "streaming_llm", "snapkv"], budgets=[0.5, 0.25],
                 tasks=["lm", "passkey"], length=400, n=1, short_lengths=[96], new_tokens=3, scaling_lengths=[128, 256],
-                threads=1)
+                threads=1, timings="measure")
     return Settings(**{**base, **kw})
 
 
@@ -46,7 +46,7 @@ def test_build_writes_html_md_json_and_resumes(tmp_path):
 
 
 def test_deadline_makes_an_incomplete_report(tmp_path):
-    s = _settings(methods=["streaming_llm"], budgets=[0.5], tasks=["lm"], timings=False)
+    s = _settings(methods=["streaming_llm"], budgets=[0.5], tasks=["lm"], timings="none")
     out = build(s, tmp_path / "out", Store(tmp_path / "c"), deadline=0.0, progress=False, model=tiny_llama(),
                 tokenizer=CharTokenizer())
     assert not out["complete"] and out["rows"] == 0
@@ -106,7 +106,7 @@ def test_cli_rejects_bad_task(capsys):
 
 
 def test_refused_settings_are_reported_and_cached(tmp_path):
-    s = _settings(methods=["turboquant"], budgets=[0.01], tasks=["lm"], timings=False)
+    s = _settings(methods=["turboquant"], budgets=[0.01], tasks=["lm"], timings="none")
     first = Store(tmp_path / "c")
     out = build(s, tmp_path / "out", first, progress=False, model=tiny_llama(), tokenizer=CharTokenizer())
     assert out["complete"] and "turboquant@0.01" in out["errors"] and "KVSumError" in out["errors"]["turboquant@0.01"]
@@ -123,3 +123,32 @@ def test_compositions_are_named_explicitly():
     comp = rules.complexity([("snapkv+turboquant", {})], [], [])
     assert comp[0]["family"] == "composition" and "snapkv.window" in comp[0]["knobs"]
     assert "reference queries" in comp[0]["prefill_extras"]
+
+
+def test_timings_from_perf_files(tmp_path):
+    from kvsum.report.perf import from_files
+
+    assert from_files(tmp_path, 0.25) is None
+    rows = dict(short=[dict(length=64, config="full", tokens_per_s=20.0, over_full=1.0),
+                       dict(length=64, config="kivi", tokens_per_s=10.0, over_full=0.5),
+                       dict(length=64, config="snapkv", tokens_per_s=None, over_full=None, refused="short")],
+                overhead=[dict(length=1024, method="kivi", budget=0.25, prefill_s=2.0, kvsum_prefill_s=2.2,
+                               compress_s=0.2, overhead=1.2)],
+                decode=[dict(length=1024, method="full", budget=1.0, step_ms=40.0, over_full=1.0, ratio=1.0),
+                        dict(length=1024, method="kivi", budget=0.25, step_ms=80.0, over_full=2.0, ratio=0.24),
+                        dict(length=1024, method="kivi", budget=0.5, step_ms=90.0, over_full=2.25, ratio=0.4)])
+    for part, r in rows.items():
+        (tmp_path / f"perf_{part}.json").write_text(json.dumps({"meta": {}, "rows": r}))
+    tp, sc, paths = from_files(tmp_path, 0.25)
+    assert tp == [dict(length=64, method="kivi", tok_s=10.0, full_tok_s=20.0, ratio_to_full=0.5, bytes_ratio=None,
+                       new=None, budget=None)]
+    assert sc == [dict(length=1024, method="kivi", prefill_s=2.0, kvsum_prefill_s=2.2, compress_s=0.2, overhead=1.2,
+                       step_ms=80.0, full_step_ms=40.0, decode_ratio=2.0, bytes_ratio=0.24)]
+    assert len(paths) == 3
+    s = _settings(methods=["streaming_llm"], budgets=[0.5], tasks=["lm"], timings="files", perf_dir=str(tmp_path))
+    out = build(s, tmp_path / "out", Store(tmp_path / "c"), progress=False, model=tiny_llama(),
+                tokenizer=CharTokenizer())
+    md = out["md"].read_text()
+    assert "perf_short.json" in md and "| 64 | kivi | 10.0 | 20.0 | 0.50 | - |" in md
+    assert "| 1024 | kivi | 2.00 | 0.20 | 1.20 | 80.0 | 40.0 | 2.00 |" in md
+    assert 'data-plots="4"' in out["html"].read_text()  # Pareto, throughput, overhead, decode

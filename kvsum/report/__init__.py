@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import render, rules
 from .evaluate import evaluate
-from .perf import scaling, throughput
+from .perf import from_files, scaling, throughput
 from .specs import Store, method_specs
 
 __all__ = ["Settings", "build", "method_specs"]
@@ -34,8 +34,9 @@ class Settings:
     short_lengths: list[int] = field(default_factory=lambda: [128, 512])
     new_tokens: int = 32
     scaling_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    timings: bool = True
+    timings: str = "auto"  # auto: benchmarks/perf.py's results if all present, else measure; measure; files; none
     threads: int = 2
+    perf_dir: str = "benchmarks/results"
 
 
 def _f(v, spec=".3f", none="-"):
@@ -61,7 +62,9 @@ def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = Non
     torch.set_num_threads(s.threads)
     n_cfg = 1 + len(perf_specs) * len(s.budgets)
     total = len(s.tasks) * s.n * n_cfg
-    if s.timings:
+    files = from_files(Path(s.perf_dir), s.perf_budget) if s.timings in ("auto", "files") else None
+    measure = s.timings == "measure" or (s.timings == "auto" and files is None)
+    if measure:
         total += len(perf_specs) * (len(s.short_lengths) + len(s.scaling_lengths))
     t0 = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -74,7 +77,11 @@ def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = Non
         rows, ok_eval, errors = evaluate(model, tokenizer, s.model, s.tasks, eval_specs, s.budgets, s.length, s.n,
                                          s.seed, store, deadline, tick)
         tp, sc, ok_tp, ok_sc = [], [], True, True
-        if s.timings:
+        if files is not None:
+            tp, sc, _ = files
+        elif s.timings == "files":
+            errors["timings"] = f"--timings files: no perf_short/overhead/decode.json in {s.perf_dir}"
+        if measure:
             tp, ok_tp = throughput(model, tokenizer, s.model, perf_specs, s.perf_budget, s.short_lengths, s.new_tokens,
                                    s.threads, store, deadline, tick, errors)
             sc, ok_sc = scaling(model, tokenizer, s.model, perf_specs, s.perf_budget, s.scaling_lengths, s.threads,
@@ -85,6 +92,7 @@ def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = Non
     recs = rules.recommend(rows, comp, tp, sc, stab)
     info = meta(s.model, command, settings=asdict(s), complete=complete, cached=store.hits,
                 computed=store.misses, wall_s=round(time.time() - t0, 1))
+    info["timing_source"] = files[2] if files else ("measured" if measure else None)
     blocks = _blocks(s, rows, tp, sc, comp, recs, stab, notes, errors, info, [m for m, _ in eval_specs])
     html_path, md_path = render.render(blocks, out_dir, f"kvsum decision report: {s.model}")
     data = dict(meta=info, rows=rows, throughput=tp, scaling=sc, complexity=comp, recommendations=recs,
@@ -129,17 +137,25 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
                                   + ([f"{r['kl']:.4f}", f"{r['top1']:.1f}", f"{r['ppl_ratio']:.4f}"] if lm
                                      else [f"{r['score']:.0f}", f"{r['full_score']:.0f}"])
                                   + [f"{r['compress_s']:.2f}"] for r in sub]))
-    if s.timings:
+    src = info.get("timing_source")
+    if src:
         b.append(("h2", "Throughput and overhead"))
-        b.append(("p", "Measured by this report under the settings above; each method's number and the full cache's "
-                       "were taken in the same unit of work, so the ratios come from one run. Methods at budget "
-                       f"{s.perf_budget:g}. Throughput: one request = prefill (+ kvsum prefill and compression) + "
-                       f"{s.new_tokens} greedy tokens, best of 2. Decode step: median of 5."))
+        if src == "measured":
+            b.append(("p", "Measured by this report; each method's number and the full cache's were taken in the same "
+                           f"unit of work, so the ratios come from one run. Methods at budget {s.perf_budget:g}. "
+                           "Throughput: one request = prefill (+ kvsum prefill and compression) + "
+                           f"{s.new_tokens} greedy tokens, best of 2. Decode step: median of 5."))
+        else:
+            b.append(("p", "From the performance benchmarks (`benchmarks/perf.py`, each part one locked run, ratios "
+                           "within a run): " + ", ".join(f"`{x}`" for x in src) + f". Budget {s.perf_budget:g}; "
+                           "throughput over 64 generated tokens, the policy row is `kvsum.generate` with the "
+                           "default Policy; decode steps are medians over round-robin steps. They cover the methods "
+                           "that benchmark measures."))
         if tp:
             b.append(("plot", "throughput", render.throughput_bars(tp)))
             b.append(("table", ["prompt", "method", "tok/s", "full tok/s", "ratio", "bytes ratio"],
-                      [[r["length"], r["method"], f"{r['tok_s']:.1f}", f"{r['full_tok_s']:.1f}",
-                        f"{r['ratio_to_full']:.2f}", f"{r['bytes_ratio']:.3f}"] for r in tp]))
+                      [[r["length"], r["method"], _f(r["tok_s"], ".1f"), _f(r["full_tok_s"], ".1f"),
+                        _f(r["ratio_to_full"], ".2f"), _f(r["bytes_ratio"])] for r in tp]))
         if sc:
             b.append(("plot", "overhead", render.scaling_plot(
                 sc, "overhead", "(kvsum prefill + compress) / plain prefill", "compression overhead against length")))
@@ -147,13 +163,9 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
                 sc, "step_ms", "decode step, ms", "decode step against context length", full_key="full_step_ms")))
             b.append(("table", ["length", "method", "prefill s", "compress s", "overhead", "step ms", "full step ms",
                                 "decode ratio"],
-                      [[r["length"], r["method"], f"{r['prefill_s']:.2f}", f"{r['compress_s']:.2f}",
-                        f"{r['overhead']:.2f}", f"{r['step_ms']:.1f}", f"{r['full_step_ms']:.1f}",
-                        f"{r['decode_ratio']:.2f}"] for r in sc]))
-        perf_files = sorted(Path("benchmarks/results").glob("perf*.json"))
-        if perf_files:
-            b.append(("p", "The mode-switching benchmarks (" + ", ".join(f"`{p}`" for p in perf_files)
-                           + ") measure the same costs at more lengths and with the routing policy."))
+                      [[r["length"], r["method"], _f(r["prefill_s"], ".2f"), _f(r["compress_s"], ".2f"),
+                        _f(r["overhead"], ".2f"), _f(r["step_ms"], ".1f"), _f(r["full_step_ms"], ".1f"),
+                        _f(r["decode_ratio"], ".2f")] for r in sc]))
     b.append(("h2", "Operational complexity"))
     b.append(("table", ["method", "family", "knobs", "prefill must capture", "calibration", "training",
                         f"compress s ({s.length} tok)", "decode ratio"],

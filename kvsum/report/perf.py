@@ -10,9 +10,11 @@ Results are cached per (kind, length, method) like the evaluation, so runs resum
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -165,3 +167,30 @@ def _baseline(model, tokenizer, length: int, specs) -> dict:
     t0 = time.perf_counter()
     pre = prefill(model, ids[:, :-1], **opts)
     return dict(ids=ids, pre=pre, prefill_s=prefill_s, kvsum_prefill_s=time.perf_counter() - t0, full_step=full_step)
+
+
+def from_files(folder: Path, budget: float) -> tuple[list[dict], list[dict], list[str]] | None:
+    """Throughput and scaling rows from benchmarks/perf.py's results (perf_short/overhead/decode.json), if all exist.
+
+    Converted to this module's row format; the ratios there were measured in one run each, as here.
+    """
+    paths = [folder / f"perf_{p}.json" for p in ("short", "overhead", "decode")]
+    if not all(p.is_file() for p in paths):
+        return None
+    short, over, dec = (json.loads(p.read_text())["rows"] for p in paths)
+    full_tok = {r["length"]: r["tokens_per_s"] for r in short if r.get("config") == "full"}
+    tp = [dict(length=r["length"], method=r["config"], tok_s=r["tokens_per_s"], full_tok_s=full_tok.get(r["length"]),
+               ratio_to_full=r["over_full"], bytes_ratio=None, new=None, budget=None)
+          for r in short if r.get("config") != "full" and r.get("tokens_per_s") and r["length"] in full_tok]
+    full_step = {r["length"]: r["step_ms"] for r in dec if r.get("method") == "full"}
+    steps = {(r["length"], r["method"]): r for r in dec if r.get("method") != "full" and "step_ms" in r
+             and abs(r.get("budget", budget) - budget) < 1e-9}
+    ovs = {(r["length"], r["method"]): r for r in over if "overhead" in r}
+    sc = []
+    for key in sorted(set(steps) | set(ovs)):
+        o, d = ovs.get(key, {}), steps.get(key, {})
+        sc.append(dict(length=key[0], method=key[1], prefill_s=o.get("prefill_s"),
+                       kvsum_prefill_s=o.get("kvsum_prefill_s"), compress_s=o.get("compress_s"),
+                       overhead=o.get("overhead"), step_ms=d.get("step_ms"), full_step_ms=full_step.get(key[0]),
+                       decode_ratio=d.get("over_full"), bytes_ratio=d.get("ratio")))
+    return tp, sc, [str(p) for p in paths]

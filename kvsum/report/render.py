@@ -150,13 +150,14 @@ def throughput_bars(rows: list[dict]):
 
 
 def scaling_plot(rows: list[dict], key: str, ylabel: str, title: str, full_key: str | None = None):
+    rows = [r for r in rows if r.get(key) is not None]
     methods = sorted({r["method"] for r in rows})
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, m in enumerate(methods):
         pts = sorted((r["length"], r[key]) for r in rows if r["method"] == m)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, lw=1.3, ms=5, **_style(i))
     if full_key:
-        pts = sorted({(r["length"], r[full_key]) for r in rows})
+        pts = sorted({(r["length"], r[full_key]) for r in rows if r.get(full_key) is not None})
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "k--", lw=2, label="full cache")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

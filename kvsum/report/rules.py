@@ -69,7 +69,7 @@ def artifact_info(knobs: dict, reconstruct_json: Path | None = None) -> dict | N
 def complexity(specs, rows: list[dict], scaling: list[dict], reconstruct_json: Path | None = None) -> list[dict]:
     """One row per method: family, knobs, what prefill must capture, calibration, training, measured costs."""
     out = []
-    longest = max((r["length"] for r in scaling), default=None)
+    longest = max((r["length"] for r in scaling if r.get("decode_ratio") is not None), default=None)
     for name, knobs in specs:
         m = make_method(name, **knobs)
         comp = [r["compress_s"] for r in rows if r["method"] == name]
@@ -144,7 +144,7 @@ def recommend(rows: list[dict], complexity_rows: list[dict], throughput: list[di
         short = min(r["length"] for r in throughput)
         at = sorted((r for r in throughput if r["length"] == short), key=lambda r: -r["ratio_to_full"])
         free = [r for r in at if r["ratio_to_full"] >= SHORT_RATIO]
-        full_tok_s = sum(r["full_tok_s"] for r in at) / len(at)
+        full_tok_s = at[0]["full_tok_s"]
         if free:
             r = free[0]
             recs.append(dict(case=f"short context ({short} tokens), memory headroom",
@@ -158,11 +158,13 @@ def recommend(rows: list[dict], complexity_rows: list[dict], throughput: list[di
             extra = ""
             if quant:
                 qr = max(quant, key=lambda r: r["ratio_to_full"])
-                extra = (f"; if memory binds even there: {qr['method']} ({qr['bytes_ratio']:.3f} of the bytes, "
+                held = "" if qr.get("bytes_ratio") is None else f"{qr['bytes_ratio']:.3f} of the bytes, "
+                extra = (f"; if memory binds even there: {qr['method']} ({held}"
                          f"{qr['ratio_to_full']:.2f}x the full cache's throughput)")
             recs.append(dict(case=f"short context ({short} tokens), memory headroom", advice="full cache" + extra,
                              evidence=f"full cache {full_tok_s:.1f} tok/s; the fastest method always on, "
                                       f"{best['method']}, reaches {best['ratio_to_full']:.2f}x (< {SHORT_RATIO:g}x)"))
+    scaling = [r for r in scaling if r.get("decode_ratio") is not None]
     if scaling:
         longest = max(r["length"] for r in scaling)
         slow = sorted((r for r in scaling if r["length"] == longest and r["decode_ratio"] > SLOW_DECODE),
