@@ -38,11 +38,12 @@ def normalized_entropy(p: Tensor, pos: Tensor) -> Tensor:
     return ent / torch.log((pos + 1).clamp_min(2).float())
 
 
-def head_diffuseness(x) -> Tensor:
-    """(H,) mean normalized entropy of each KV head's reference attention."""
+def head_diffuseness(x, rows: int = 128) -> Tensor:
+    """(H,) mean normalized entropy of each KV head's reference attention, over `rows` evenly spread
+    reference rows (a mean needs few; this runs for every head of every layer)."""
     out = []
     for h in range(x.H):
-        q, pos = group_queries(x, h)
+        q, pos = group_queries(x, h, rows)
         p = torch.softmax(causal_logits(q, pos, x.keys[h], x.scale), -1)
         out.append(normalized_entropy(p, pos).mean())
     return torch.stack(out)
