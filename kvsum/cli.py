@@ -130,7 +130,8 @@ def cmd_stability(args) -> None:
     settings = Settings(model=args.model, dtypes=[d.strip() for d in args.dtypes.split(",")], prompts=args.prompts,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                         budget=_budgets(args.budget)[0], seed=args.seed,
-                        dtype_prompts=_dtype_prompts(args.dtype_prompts)).check()
+                        dtype_prompts=_dtype_prompts(args.dtype_prompts),
+                        onepass=[d.strip() for d in args.onepass.split(",") if d.strip()]).check()
     specs, notes = method_specs([m.strip() for m in args.method.split(",")], args.model, skip=("full",))
     store = Store(Path(args.cache) if args.cache else cache_dir() / "stability", fresh=args.fresh)
     deadline = time.time() + args.time_limit if args.time_limit else None
@@ -238,6 +239,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="all", help="methods compared with the full cache, comma-separated")
     s.add_argument("--budget", default="0.25", help="the methods' budget")
     s.add_argument("--prompts", type=int, default=3)
+    s.add_argument("--onepass", default="", help="precisions whose cache-off run is one teacher-forced pass "
+                   "instead of one pass per step (e.g. fp16: CPU fp16 matmuls are ~10x slower)")
     s.add_argument("--dtype-prompts", default="", help="fewer prompts for some precisions, e.g. fp16=1 "
                    "(fp16 matrix products are ~10x slower than fp32 on CPU)")
     s.add_argument("--prompt-tokens", type=int, default=512)

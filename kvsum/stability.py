@@ -45,6 +45,7 @@ class Settings:
     budget: float = 0.25
     seed: int = 0
     dtype_prompts: dict[str, int] = field(default_factory=dict)  # fewer prompts for a slow precision (fp16 on CPU)
+    onepass: list[str] = field(default_factory=list)  # precisions whose cache-off run is one teacher-forced pass
 
     def n_prompts(self, dtype: str) -> int:
         return min(self.prompts, self.dtype_prompts.get(dtype, self.prompts))
@@ -134,11 +135,35 @@ def kl_top1(ref: Tensor, other: Tensor) -> dict:
                 top1=(ref.argmax(-1) == other.argmax(-1)).double().mean().item())
 
 
-def precision_floor(model, ids: Tensor, n: int) -> dict:
-    """Cache-on against cache-off on one prompt (see the module docstring)."""
-    off_toks, off_logits, off_hidden = cache_off(model, ids, n)
-    on_toks, _, _ = cache_on(model, ids, n)
-    _, f_logits, f_hidden = cache_on(model, ids, n, forced=off_toks, hidden=True)
+@torch.no_grad()
+def cache_off_onepass(model, ids: Tensor, tokens: list[int]) -> tuple[list[int], Tensor, Tensor]:
+    """Cache-off logits and hidden states for every step at once: one forward over the prompt and `tokens[:-1]`.
+
+    Each position still sees only its prefix (causal attention), computed without a cache, but in one batched
+    pass rather than one pass per step; the argmax at each position is what cache-off greedy decoding would pick
+    after that prefix. n passes cost n times as much, which fp16 on CPU (~10x slower matmuls) cannot afford.
+    """
+    seq = torch.cat([ids, ids.new_tensor([tokens[:-1]])], -1)
+    out = model(seq, use_cache=False, output_hidden_states=True)
+    n, T = len(tokens), ids.shape[1]
+    logits = out.logits[0, T - 1:T - 1 + n].float()
+    hidden = torch.stack([h[0, T - 1:T - 1 + n] for h in out.hidden_states], 1).float()
+    return logits.argmax(-1).tolist(), logits, hidden
+
+
+def precision_floor(model, ids: Tensor, n: int, onepass: bool = False) -> dict:
+    """Cache-on against cache-off on one prompt (see the module docstring).
+
+    With `onepass`, cache-off is `cache_off_onepass` on the cache-on generation: the divergence is then the
+    teacher-forced one (positions where the cache-off argmax after the same prefix differs), not two free runs.
+    """
+    if onepass:
+        on_toks, f_logits, f_hidden = cache_on(model, ids, n, hidden=True)
+        off_toks, off_logits, off_hidden = cache_off_onepass(model, ids, on_toks)
+    else:
+        off_toks, off_logits, off_hidden = cache_off(model, ids, n)
+        on_toks, _, _ = cache_on(model, ids, n)
+        _, f_logits, f_hidden = cache_on(model, ids, n, forced=off_toks, hidden=True)
     s = slice(1, n)  # decode steps; step 0 is the prompt's forward in both
     rel = ((f_hidden[s] - off_hidden[s]).norm(dim=-1) / off_hidden[s].norm(dim=-1).clamp_min(1e-30)).mean(0)
     return dict(**{f"div_{k}": v for k, v in divergence(off_toks, on_toks).items()},
@@ -202,6 +227,7 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
                 todo = [("floor", None, {})] + [("method", name, knobs) for name, knobs in specs]
                 for part, name, knobs in todo:
                     fields = dict(base, dtype=dt, prompt=i, part=part, method=name, knobs=knobs,
+                                  **({"onepass": True} if part == "floor" and dt in settings.onepass else {}),
                                   budget=settings.budget if part == "method" else None)
                     bar.update(job, description=f"{dt} prompt {i} {name or 'cache on/off'}")
                     res = store.get(fields)
@@ -220,7 +246,7 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
                         t0 = time.perf_counter()
                         try:
                             if part == "floor":
-                                res = precision_floor(model, ids, settings.new_tokens)
+                                res = precision_floor(model, ids, settings.new_tokens, dt in settings.onepass)
                             else:
                                 if pre is None:
                                     pre = prefill(model, ids[:, :-1], **opts)
@@ -293,7 +319,12 @@ def markdown(result: dict) -> str:
              "Precision floor: cache-on (DynamicCache) vs cache-off (full recomputation every step). "
              "diverged: prompts whose two greedy generations differ; first: earliest differing position; "
              "mismatch: fraction of generated positions that differ. KL / top-1: teacher-forced on the cache-off "
-             "tokens over the decode steps. vs fp32: cache-on generation of this precision against fp32's.", ""]
+             "tokens over the decode steps. vs fp32: cache-on generation of this precision against fp32's."
+             + (f" **{', '.join(s.get('onepass', []))}: cache-off in one teacher-forced pass** over the cache-on "
+                "generation (each position sees only its prefix, computed without a cache; one pass instead of one "
+                "per step, which fp16 matmuls on CPU, ~10x slower than fp32, make unaffordable): there diverged, "
+                "first and mismatch count positions whose cache-off argmax after the same prefix differs."
+                if s.get("onepass") else ""), ""]
     head = "| precision | diverged | first | mismatch | KL (nats) | top-1 % | max logit diff | " \
            "hidden rel. err (mean / last layer) | vs fp32 mismatch |"
     lines = [head, "|" + "---|" * 9]

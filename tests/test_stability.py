@@ -69,3 +69,15 @@ def test_deadline_leaves_units_for_later(tmp_path):
 def test_cli_rejects_bad_dtype(capsys):
     assert cli.main(["stability", "--dtypes", "fp8"]) == 2
     assert "fp8" in capsys.readouterr().err
+
+
+def test_onepass_cache_off_matches_stepwise_in_fp32():
+    from kvsum.stability import cache_off, cache_off_onepass, precision_floor
+
+    model, ids = tiny_llama(), PROMPTS[1]
+    toks, logits, hidden = cache_off(model, ids, 5)
+    one_toks, one_logits, one_hidden = cache_off_onepass(model, ids, toks)
+    assert one_toks == toks and one_logits.shape == logits.shape and one_hidden.shape == hidden.shape
+    assert torch.allclose(one_logits, logits, atol=1e-4) and torch.allclose(one_hidden, hidden, atol=1e-4)
+    r = precision_floor(model, ids, 5, onepass=True)
+    assert r["div_first"] is None and r["top1"] == 1.0 and max(r["hidden_rel"]) < 1e-5
