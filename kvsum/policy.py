@@ -1,18 +1,22 @@
-"""`kvsum.Policy`: full cache where compression does not pay, compressed where it does or where memory binds.
+"""`kvsum.Policy`: full cache where compression does not pay, compressed where memory binds or where it pays.
 
 The thresholds come from a break-even table measured on the machine (`kvsum bench breakeven`, see
-kvsum/breakeven.py; one measured here ships with kvsum), never from constants picked by hand:
-  - `compress_from`: the shortest context at which the middle or the long method's total time (prefill,
-    compression, `new_tokens` decode steps) is within the latency slack of the full cache's (slack 0 for
-    latency="fast", 5% for "balanced"; latency="memory" compresses whatever the length);
-  - `long_from`: the context length from which the long method (summarization) takes less total time than
-    the middle one (low-bit quantization), whose per-step unpacking grows with the context.
+kvsum/breakeven.py; one measured here ships with kvsum as kvsum/data/breakeven.json), never from constants
+picked by hand. Per method the table holds, per context length, the total time of one request (prefill,
+compression, `new_tokens` decode steps) over the full cache's:
+  - `compress_from`: the break-even length, from which the middle or the long method takes less total time
+    than the full cache (None: never within the lengths measured);
+  - `long_from`: where the long method (summarization) takes over from the middle one (low-bit
+    quantization, more faithful per byte but unpacked at every decode step, so its cost grows with the
+    context): for latency="fast" where the long method's total time falls below the middle one's; for
+    "balanced" where the middle one's exceeds the full cache's by more than LATENCY["balanced"] (50%); for
+    "memory" never (quantization as long as low-bit codes reach the budget).
 Rules, for a context of T tokens and a memory budget `memory` (a fraction of the full 16-bit cache, or
 bytes; None: memory does not bind):
-  1. memory does not bind: the full cache below `compress_from`; above it the middle method below
-     `long_from` and the long method from it, both at the measured budget;
-  2. memory binds: compress to it; the middle method below `long_from` unless the budget is under
-     what low-bit codes can reach (`mid_min_budget`), the long method otherwise.
+  1. memory does not bind: the full cache below `compress_from` (latency="memory": compress anyway);
+     from it the middle method below `long_from` and the long method from it, at the table's budget;
+  2. memory binds: compress to it; the middle method below `long_from` unless the budget is under what
+     low-bit codes reach (`mid_min_budget`), the long method otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 
 from .errors import KVSumError
 
-LATENCY = {"fast": 0.0, "balanced": 0.05, "memory": None}  # allowed total-time slack over the full cache
+# extra total time over the full cache the middle (quantized) range may take before the long range takes over
+LATENCY = {"fast": 0.0, "balanced": 0.5, "memory": None}
 
 
 def _gap(long: float | None, mid: float | None) -> float:
@@ -52,15 +57,15 @@ class Policy:
     """Rules from a request to (method, knobs, budget); see the module docstring.
 
     `memory`: fraction in (0, 1] of the full 16-bit cache, or bytes (an int > 1); `latency`: "fast",
-    "balanced" or "memory"; `mid` and `long`: the methods of the middle and long ranges (`long` None:
-    "summary+turboquant" if the table measured it, else "summary"); `knobs`: per-method knobs;
+    "balanced" or "memory"; `mid` and `long`: the methods of the middle and long ranges (e.g.
+    long="summary+turboquant" for fewer bytes per summary entry); `knobs`: per-method knobs;
     `table`: a break-even table or the path of one (None: the table shipped with kvsum).
     """
 
     memory: float | int | None = None
     latency: str = "balanced"
     mid: str = "turboquant"
-    long: str | None = None
+    long: str = "summary"
     budget: float | None = None  # budget when only time drives compression (None: the table's)
     mid_min_budget: float = 0.15  # under ~2 bits per coordinate (incl. norms), quantization is left to `long`
     knobs: dict = field(default_factory=dict)
@@ -73,8 +78,6 @@ class Policy:
             raise KVSumError(f"latency={self.latency!r}; accepted: {', '.join(LATENCY)}")
         self._check_memory(self.memory)
         self.table = self.table if isinstance(self.table, dict) else load(self.table)
-        if self.long is None:
-            self.long = "summary+turboquant" if "summary+turboquant" in self.table["methods"] else "summary"
         if self.budget is None:
             self.budget = float(self.table.get("budget", 0.25))
 
@@ -91,20 +94,23 @@ class Policy:
         from .breakeven import crossing
 
         latency = latency or self.latency
-        slack = LATENCY[latency]
-        Ls = self.table["lengths"]
-        rows = self.table["methods"]
-        if slack is None:
+        Ls, rows = self.table["lengths"], self.table["methods"]
+
+        def ratios(m):  # a method the table did not measure counts as refused everywhere
+            return rows[m]["ratio"] if m in rows else [None] * len(Ls)
+
+        if latency == "memory":
             start = 0
         else:
-            found = [crossing(Ls, rows[m]["ratio"], 1 + slack) for m in (self.mid, self.long) if m in rows]
-            found = [x for x in found if x is not None]
+            found = [x for x in (crossing(Ls, ratios(m), 1.0) for m in (self.mid, self.long)) if x is not None]
             start = min(found) if found else None
-        if self.long in rows and self.mid in rows:
-            gap = [_gap(a, b) for a, b in zip(rows[self.long]["ratio"], rows[self.mid]["ratio"])]
-            long_from = crossing(Ls, gap, 0.0)
-        else:
-            long_from = 0 if self.long in rows else None
+        if latency == "memory":
+            long_from = None
+        elif latency == "fast":
+            long_from = crossing(Ls, [_gap(a, b) for a, b in zip(ratios(self.long), ratios(self.mid))], 0.0)
+        else:  # the middle method's ratio stays above 1 + slack (refused lengths count as above)
+            neg = [-math.inf if r is None else -r for r in ratios(self.mid)]
+            long_from = crossing(Ls, neg, -(1 + LATENCY[latency]))
         return {"compress_from": start, "long_from": long_from}
 
     def choose(self, context_len: int, model=None, memory=None, latency: str | None = None) -> Decision:
@@ -171,6 +177,8 @@ def generate(model, tokenizer, context, question: str = "", policy: Policy | Non
     ctx = check_ids(model, ctx.to(device))
     q = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     ids = torch.cat([ctx, q], dim=-1)
+    if q.shape[-1] == 0:  # generate needs one token the cache has not seen: read the context's last on top
+        ctx = check_ids(model, ctx[:, :-1])
     d = policy.choose(ctx.shape[-1], model)
     gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, **gen_kwargs)
     if d.method == "full":

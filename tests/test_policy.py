@@ -26,7 +26,7 @@ def test_crossing_interpolates_in_log_length_and_needs_to_stay_below():
 
 def test_thresholds_come_from_the_table():
     p = kvsum.Policy(table=table())
-    assert p.long == "summary"  # no summary+turboquant measured
+    assert (p.mid, p.long) == ("turboquant", "summary")
     th = p.thresholds("fast")
     assert th["compress_from"] == crossing(LENGTHS, list(table()["methods"]["summary"]["ratio"]), 1.0)
     assert th["long_from"] == 256  # summary is cheaper than turboquant everywhere in this table
@@ -48,16 +48,29 @@ def test_full_below_break_even_mid_then_long():
 
 
 def test_memory_binding_compresses_whatever_the_length():
-    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)))
+    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)), latency="fast")
     assert p.choose(100, memory=0.5).method == "turboquant" and p.choose(100, memory=0.5).budget == 0.5
     assert p.choose(100, memory=0.1).method == "summary"  # below what low-bit codes reach
     assert p.choose(3000, memory=0.3).method == "summary"
     assert p.choose(100, memory=1.0).method == "full"
 
 
+def test_balanced_keeps_quantization_until_it_costs_half_again_the_full_cache():
+    p = kvsum.Policy(table=table(mid=(1.2, 1.3, 1.6, 1.8, 2.0), long=(1.3, 1.3, 1.3, 1.3, 1.3)))
+    th = p.thresholds()
+    assert th["compress_from"] is None  # nothing pays: the full cache unless memory binds
+    assert 512 < th["long_from"] < 1024
+    assert p.choose(3000).method == "full"
+    assert p.choose(600, memory=0.3).method == "turboquant"
+    assert p.choose(1500, memory=0.3).method == "summary"
+    assert p.thresholds("fast")["long_from"] == 512  # from where summary is no slower than turboquant
+    assert p.thresholds("memory") == {"compress_from": 0, "long_from": None}
+    assert p.choose(3000, latency="memory").method == "turboquant"
+
+
 def test_memory_in_bytes_uses_the_model_shape():
     model = tiny_llama()  # 2 layers, 2 KV heads, head dim 16: 256 bytes per token at 16 bits
-    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)))
+    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)), latency="fast")
     d = p.choose(100, model, memory=256 * 100 // 2)
     assert (d.method, d.budget) == ("turboquant", 0.5)
     assert p.choose(100, model, memory=10 ** 9).method == "full"
@@ -75,8 +88,9 @@ def test_bad_arguments_name_what_is_accepted(kwargs, match):
 
 def test_compress_with_policy_follows_the_decision(ids):
     model = tiny_llama()
-    p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)),
-                     mid="streaming_llm", long="snapkv", knobs={"streaming_llm": {"sinks": 2}})
+    t = table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5))
+    t["methods"] = {"streaming_llm": t["methods"]["turboquant"], "snapkv": t["methods"]["summary"]}
+    p = kvsum.Policy(table=t, mid="streaming_llm", long="snapkv", knobs={"streaming_llm": {"sinks": 2}})
     short = kvsum.compress(model, ids[:, :200], policy=p)
     assert short.decision.method == "full" and short.method == "full"
     assert short.get_seq_length() == 200
