@@ -133,5 +133,6 @@ def test_generate_with_the_full_cache_is_plain_generate(smollm2):
     forced = kvsum.Policy(memory=0.5)
     text2, cache2 = kvsum.generate(model, tok, ctx, "\n\nThe special code for the falcon is", policy=forced,
                                    max_new_tokens=8, return_cache=True)
-    assert cache2.decision.method != "full" and cache2.ratio() <= 0.6
-    assert isinstance(text2, str) and text2
+    assert cache2.decision.method != "full" and isinstance(text2, str) and text2
+    ctx_ids = tok(ctx, return_tensors="pt").input_ids
+    assert kvsum.compress(model, ctx_ids, policy=forced).ratio() <= 0.5 + 0.02  # before decoding grows it
