@@ -191,7 +191,8 @@ def stability_methods(summary: dict):
     fig, ax = plt.subplots(figsize=(9, 4.2))
     w = 0.8 / max(len(dts), 1)
     for j, dt in enumerate(dts):
-        vals = [max(summary[dt]["methods"].get(m, {}).get("kl", 0), 1e-12) for m in methods]
+        vals = [max(summary[dt]["methods"][m]["kl"], 1e-12) if m in summary[dt]["methods"] else float("nan")
+                for m in methods]  # a method not run in this precision: no bar
         ax.bar([i + j * w for i in range(len(methods))], vals, w, label=f"{dt}: method vs full")
         fl = summary[dt].get("floor")
         if fl:
@@ -201,6 +202,6 @@ def stability_methods(summary: dict):
     ax.set_yscale("log")
     ax.set_ylabel("KL, nats (log)")
     ax.set_title("what compression adds over the precision floor")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(axis="y", alpha=0.3)
     return fig
