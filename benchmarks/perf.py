@@ -46,16 +46,20 @@ def _needs(name: str) -> dict:
     return {k: True for k, v in make_method(name).prefill_options().items() if v}
 
 
-def _write(part: str, rows: list[dict], lines: list[str], args, merge_key=None) -> None:
+def _write(part: str, rows: list[dict], lines, args, merge_key=None, record: bool = True) -> None:
     out = RESULTS / f"perf_{part}"
     js = out.with_suffix(".json")
-    old = json.loads(js.read_text())["rows"] if merge_key and js.exists() else []
+    prev = json.loads(js.read_text()) if merge_key and js.exists() else {"meta": {}, "rows": []}
     keys = {merge_key(r) for r in rows} if merge_key else set()
-    rows = [r for r in old if merge_key(r) not in keys] + rows
+    rows = [r for r in prev["rows"] if merge_key(r) not in keys] + rows
     info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
+    commands = prev["meta"].get("commands", [prev["meta"]["command"]] if "command" in prev["meta"] else [])
+    info["commands"] = [c for c in commands if c != info["command"]] + [info["command"]] if record else commands
+    if not record:
+        info = {**prev["meta"], "commands": commands}
     js.write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
     md = [f"# perf {part} ({info['date']}, {args.threads} threads, {args.model})", "", *lines(rows), "",
-          f"Command: `{info['command']}`"]
+          "Commands (rows merged by length): " + "; ".join(f"`{c}`" for c in info["commands"])]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -120,32 +124,34 @@ def part_short(model, tok, args) -> None:
 
 # ---------------------------------------------------------------- overhead and scaling
 @torch.no_grad()
-def part_overhead(model, tok, args) -> None:
-    from transformers import DynamicCache
-
-    decoder = model.get_decoder()
-    ids = prose_ids(tok, max(args.lengths))
-    kvsum.prefill(model, ids[:, :128])
+def part_overhead(model, tok, args, render: dict | None = None) -> None:
     rows = []
-    for L in args.lengths:
-        ctx = ids[:, :L]
-        _, plain = _timed(lambda ctx=ctx: decoder(ctx, past_key_values=DynamicCache(), use_cache=True))
-        pres = {}
-        for name in args.methods:
-            opts = _needs(name)
-            key = tuple(sorted(opts))
-            if key not in pres:
-                pres[key] = _timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, **opts))
-            pre, t_pre = pres[key]
-            try:
-                _, t_c = _timed(lambda pre=pre, name=name: kvsum.compress_prefill(pre, make_method(name), args.budget))
-            except KVSumError as e:
-                rows.append(dict(length=L, method=name, refused=str(e)))
-                continue
-            rows.append(dict(length=L, method=name, budget=args.budget, prefill_s=plain, kvsum_prefill_s=t_pre,
-                             compress_s=t_c, overhead=(t_pre + t_c) / plain))
-            print(rows[-1], flush=True)
-        del pres
+    if render is None:
+        from transformers import DynamicCache
+
+        decoder = model.get_decoder()
+        ids = prose_ids(tok, max(args.lengths))
+        kvsum.prefill(model, ids[:, :128])
+        for L in args.lengths:
+            ctx = ids[:, :L]
+            _, plain = _timed(lambda ctx=ctx: decoder(ctx, past_key_values=DynamicCache(), use_cache=True))
+            pres = {}
+            for name in args.methods:
+                opts = _needs(name)
+                key = tuple(sorted(opts))
+                if key not in pres:
+                    pres[key] = _timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, **opts))
+                pre, t_pre = pres[key]
+                try:
+                    _, t_c = _timed(lambda pre=pre, name=name: kvsum.compress_prefill(pre, make_method(name),
+                                                                                      args.budget))
+                except KVSumError as e:
+                    rows.append(dict(length=L, method=name, refused=str(e)))
+                    continue
+                rows.append(dict(length=L, method=name, budget=args.budget, prefill_s=plain, kvsum_prefill_s=t_pre,
+                                 compress_s=t_c, overhead=(t_pre + t_c) / plain))
+                print(rows[-1], flush=True)
+            del pres
 
     def lines(rows):
         ok = [r for r in rows if "overhead" in r]
@@ -177,39 +183,40 @@ def part_overhead(model, tok, args) -> None:
                 "lengths measured (1 = linear)."]
         return out
 
-    _write("overhead", rows, lines, args, merge_key=lambda r: (r["length"], r["method"]))
+    _write("overhead", rows, lines, args, merge_key=lambda r: (r["length"], r["method"]), record=render is None)
 
 
 # ---------------------------------------------------------------- decode step vs length and budget
 @torch.no_grad()
-def part_decode(model, tok, args) -> None:
-    ids = prose_ids(tok, max(args.lengths))
-    token = ids[:, :1]
-    opts = {}
-    for name in args.methods:
-        opts.update(_needs(name))
+def part_decode(model, tok, args, render: dict | None = None) -> None:
     rows = []
-    for L in args.lengths:
-        pre = kvsum.prefill(model, ids[:, :L], **opts)
-        budgets = args.budgets if L in args.budget_lengths else [args.budget]
-        caches = {("full", 1.0): kvsum.compress_prefill(pre, make_method("full"), 1.0)}
-        nbytes = {}
+    if render is None:
+        ids = prose_ids(tok, max(args.lengths))
+        token = ids[:, :1]
+        opts = {}
         for name in args.methods:
-            for b in budgets:
-                try:
-                    c = kvsum.compress_prefill(pre, make_method(name), b)
-                except KVSumError:
-                    continue
-                caches[(name, b)] = c
-                nbytes[(name, b)] = c.nbytes() / c.reference_nbytes
-        del pre
-        steps = step_times(model, caches, token, args.rounds)
-        full = steps[("full", 1.0)]
-        for (name, b), s in steps.items():
-            rows.append(dict(length=L, method=name, budget=b, step_ms=s * 1000, over_full=s / full,
-                             ratio=nbytes.get((name, b), 1.0)))
-        print([r for r in rows if r["length"] == L], flush=True)
-        del caches
+            opts.update(_needs(name))
+        for L in args.lengths:
+            pre = kvsum.prefill(model, ids[:, :L], **opts)
+            budgets = args.budgets if L in args.budget_lengths else [args.budget]
+            caches = {("full", 1.0): kvsum.compress_prefill(pre, make_method("full"), 1.0)}
+            nbytes = {}
+            for name in args.methods:
+                for b in budgets:
+                    try:
+                        c = kvsum.compress_prefill(pre, make_method(name), b)
+                    except KVSumError:
+                        continue
+                    caches[(name, b)] = c
+                    nbytes[(name, b)] = c.nbytes() / c.reference_nbytes
+            del pre
+            steps = step_times(model, caches, token, args.rounds)
+            full = steps[("full", 1.0)]
+            for (name, b), s in steps.items():
+                rows.append(dict(length=L, method=name, budget=b, step_ms=s * 1000, over_full=s / full,
+                                 ratio=nbytes.get((name, b), 1.0)))
+            print([r for r in rows if r["length"] == L], flush=True)
+            del caches
 
     def lines(rows):
         Ls = sorted({r["length"] for r in rows})
@@ -224,19 +231,21 @@ def part_decode(model, tok, args) -> None:
             cells = [f"{by[(L, m, args.budget)]['over_full']:.3f}" if (L, m, args.budget) in by else "refused"
                      for L in Ls]
             out.append(f"| {m} | " + " | ".join(cells) + " |")
-        for L in args.budget_lengths:
-            if L not in Ls:
+        for L in Ls:
+            budgets = sorted({r["budget"] for r in rows if r["length"] == L and r["method"] != "full"}, reverse=True)
+            if len(budgets) < 2:
                 continue
             out += ["", f"## Against the budget at {L} tokens (step / full step; bytes ratio in brackets)", "",
-                    "| method | " + " | ".join(str(b) for b in args.budgets) + " |",
-                    "|---|" + "---|" * len(args.budgets)]
+                    "| method | " + " | ".join(str(b) for b in budgets) + " |",
+                    "|---|" + "---|" * len(budgets)]
             for m in args.methods:
                 cells = [f"{by[(L, m, b)]['over_full']:.3f} ({by[(L, m, b)]['ratio']:.3f})" if (L, m, b) in by
-                         else "refused" for b in args.budgets]
+                         else "refused" for b in budgets]
                 out.append(f"| {m} | " + " | ".join(cells) + " |")
         return out
 
-    _write("decode", rows, lines, args, merge_key=lambda r: (r["length"], r["method"], r["budget"]))
+    _write("decode", rows, lines, args, merge_key=lambda r: (r["length"], r["method"], r["budget"]),
+           record=render is None)
 
 
 # ---------------------------------------------------------------- memory
@@ -317,10 +326,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--render", action="store_true", help="only rewrite the markdown from the JSON (overhead, decode)")
     args = ap.parse_args()
     default_lengths = dict(short=[64, 128, 256, 512], overhead=[1024, 2048, 4096], decode=[1024, 2048, 4096],
                            memory=[8192])
     args.lengths = args.lengths or default_lengths[args.part]
+    if args.render:  # rewrite the markdown of merged results from their JSON (no measurement)
+        js = RESULTS / f"perf_{args.part}.json"
+        data = json.loads(js.read_text())
+        renderers = dict(overhead=part_overhead, decode=part_decode)
+        renderers[args.part](None, None, args, render=data)
+        return
     if args.part == "memory" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # glibc reads it at start: re-exec with it set
         os.execv(sys.executable, [sys.executable, *sys.argv])
