@@ -189,12 +189,17 @@ def cmd_bench(args) -> None:
 
     methods = [m.strip() for m in args.methods.split(",")]
     lengths = _ints(args.lengths, "--lengths")
+    from kvsum.methods.base import make_method
+
+    for m in methods:
+        make_method(m)  # unknown names fail before the model loads
+    budget = _budgets(args.budget)[0]
     if args.new_tokens < 1:
         raise KVSumError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model)
-    table = measure(model, tok, methods, lengths, new_tokens=args.new_tokens, budget=_budgets(args.budget)[0],
-                    rounds=args.rounds, progress=True)
+    table = measure(model, tok, methods, lengths, new_tokens=args.new_tokens, budget=budget, rounds=args.rounds,
+                    progress=True)
     table["model"], table["command"] = args.model, "kvsum " + " ".join(sys.argv[1:])
     table["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = Path(args.out)

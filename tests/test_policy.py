@@ -136,3 +136,12 @@ def test_generate_with_the_full_cache_is_plain_generate(smollm2):
     assert cache2.decision.method != "full" and isinstance(text2, str) and text2
     ctx_ids = tok(ctx, return_tensors="pt").input_ids
     assert kvsum.compress(model, ctx_ids, policy=forced).ratio() <= 0.5 + 0.02  # before decoding grows it
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "256,x"], ["--new-tokens", "0"], ["--budget", "2"],
+                                  ["--methods", "summary,nope"]])
+def test_bench_breakeven_bad_arguments_exit_2(argv, capsys):
+    from kvsum.cli import main
+
+    assert main(["bench", "breakeven", *argv]) == 2
+    assert capsys.readouterr().err.startswith("kvsum: error:")
