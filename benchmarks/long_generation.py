@@ -37,6 +37,10 @@ from kvsum.eval.report import meta
 from kvsum.eval.text import haystack, join, sep_ids
 
 
+CONFIGS = ["snapkv 0.25", "kivi 0.25, residual 32 (generated tokens quantized)",
+           "snapkv 0.25 + decoding eviction (256 + 64 per head)"]
+
+
 class Finite(LogitsProcessor):
     """Counts the steps whose logits hold a NaN or a +Inf (greedy decoding would hide them; -Inf is what
     min_new_tokens puts on the end-of-sequence token)."""
@@ -53,7 +57,7 @@ class Finite(LogitsProcessor):
 def generate(model, ids, cache, new: int) -> tuple[torch.Tensor, float, int]:
     check = Finite()
     t0 = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+    out = model.generate(ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                          attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([check]))
     return out[0, ids.shape[1]:], time.perf_counter() - t0, check.bad
 
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--part", choices=["exact", "compressed"], required=True)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new", type=int, default=2048)
+    ap.add_argument("--only", type=int, nargs="+", help="compressed part: run only these configs (0, 1, 2)")
     args = ap.parse_args(argv)
     model, tok, t0 = start(args)
     ids = torch.tensor([join(haystack(tok, args.context, seed=5), sep_ids(tok))])
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
              lambda: kvsum.compress(model, ctx, method="snapkv", budget=0.25).attach(
                  DecodingEviction(model, "snapkv", max_tokens=256, every=64))),
         ]:
+            if args.only is not None and not any(name == CONFIGS[i] for i in args.only):
+                continue
             cache = make()
             after = cache.nbytes()
             tokens, s, bad = generate(model, ids, cache, args.new)
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                 wall_s=round(time.perf_counter() - t0, 1), part=args.part, context=args.context, new=args.new)
     mine = {r["config"] for r in rows}
     data = {"rows": [r for r in old["rows"] if r["config"] not in mine] + rows,
-            "runs": [r for r in old["runs"] if r.get("part") != args.part] + [info]}
+            "runs": [r for r in old["runs"] if r["command"] != info["command"]] + [info]}
     js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(data, indent=1) + "\n")
     md = ["# Long generations", "", __doc__.split("\n\n")[0].splitlines()[0], "",
