@@ -15,6 +15,7 @@ Writes benchmarks/results/quant_<part>.{json,md}.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,17 +36,9 @@ COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboq
 
 
 @torch.no_grad()
-def decode_steps(model, cache, tokens) -> list[float]:
-    """Seconds of every one-token forward on top of `cache` (which grows, and quantizes, as in generate)."""
-    times = []
-    for t in range(tokens.shape[1]):
-        t0 = time.perf_counter()
-        model(tokens[:, t:t + 1], cache=cache)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def decode(model, tok, args) -> None:
+    """Every config decodes the same tokens; step t of every config runs back to back (order rotated), so
+    the load of a shared machine hits them alike; the ratio is the median over steps of step time / full's."""
     ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
     ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     pre = kvsum.prefill(model, ctx)
@@ -53,22 +46,31 @@ def decode(model, tok, args) -> None:
                ("turboquant", {"bits": 3.5, "path": "dequant"}), ("kivi", {"bits": 4})]
     times = {i: [] for i in range(len(configs))}
     ratio = {}
-    for _ in range(args.repeats):  # interleaved: slow drifts of a shared machine hit every config alike
-        for i, (name, knobs) in enumerate(configs):
-            cache = kvsum.compress_prefill(pre, make_method(name, **knobs), 1.0)
-            ratio[i] = cache.nbytes() / cache.reference_nbytes
-            times[i] += decode_steps(model, cache, tokens)[2:]  # the first steps warm up
-    med = {i: sorted(t)[len(t) // 2] for i, t in times.items()}
+    for _ in range(args.repeats):
+        caches = [kvsum.compress_prefill(pre, make_method(name, **knobs), 1.0) for name, knobs in configs]
+        ratio = {i: c.nbytes() / c.reference_nbytes for i, c in enumerate(caches)}
+        for t in range(tokens.shape[1]):
+            order = list(range(len(configs)))
+            order = order[t % len(order):] + order[:t % len(order)]
+            for i in order:
+                t0 = time.perf_counter()
+                model(tokens[:, t:t + 1], cache=caches[i])
+                times[i].append(time.perf_counter() - t0)
+    skip = 2  # the first steps of a round warm up
+    keep = [j for j in range(len(times[0])) if j % tokens.shape[1] >= skip]
+    med = {i: statistics.median(times[i][j] for j in keep) for i in times}
+    paired = {i: statistics.median(times[i][j] / times[0][j] for j in keep) for i in times}
     rows = [dict(method=name, knobs=knobs, length=args.length, ratio=ratio[i], decode_step_s=med[i],
-                 decode_over_full=med[i] / med[0], steps=len(times[i])) for i, (name, knobs) in enumerate(configs)]
+                 decode_over_full=paired[i], steps=len(keep)) for i, (name, knobs) in enumerate(configs)]
     out = Path(args.out)
     info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
     out.with_suffix(".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
     lines = [f"# Decode step over the quantized cache, {args.length}-token context ({info['date']}, "
              f"{args.threads} threads)", "", f"command: {info['command']}", "",
-             "Median one-token forward over " f"{rows[0]['steps']} steps ({args.repeats} interleaved rounds); "
-             "decoded tokens are quantized as they arrive.", "",
-             "| method | knobs | bytes ratio | decode step ms | decode / full |", "|---|---|---|---|---|"]
+             f"{rows[0]['steps']} one-token steps per method ({args.repeats} rounds), the methods' step t run back "
+             "to back; decode / full is the median over steps of the paired ratio. Decoded tokens are quantized "
+             "as they arrive; bytes ratio right after compression, over the full 16-bit cache (full: fp32 model).",
+             "", "| method | knobs | bytes ratio | median decode step ms | decode / full |", "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['knobs']} | {r['ratio']:.3f} | {r['decode_step_s'] * 1000:.1f} | "
               f"{r['decode_over_full']:.2f} |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
