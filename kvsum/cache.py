@@ -220,6 +220,18 @@ class Cache(transformers.Cache):
                 layer.stream = make_stream(i)
         return self
 
+    def set_mode(self, mode: str) -> Cache:
+        """Switch a reconstruction cache (echokv) between "compressed" (rebuild at every attention call, few
+        bytes) and "full" (rebuilt once and held: full bytes, full-cache decoding speed), e.g. per request as
+        memory allows. Lossless both ways: the stored part is never modified. Returns self."""
+        held = [getattr(layer, "state", None) for layer in self.layers]
+        states = [s for st in held for s in getattr(st, "states", [st]) if hasattr(s, "set_mode")]
+        if not states:
+            raise KVSumError(f"set_mode: a {self.method!r} cache has no full/compressed modes (echokv has)")
+        for state in states:
+            state.set_mode(mode)
+        return self
+
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (compressed states, tails, sliding windows)."""
         return sum(layer.nbytes() for layer in self.layers)
