@@ -140,9 +140,10 @@ def recommend(rows: list[dict], complexity_rows: list[dict], throughput: list[di
             kl, (m, _) = min(cands)
             recs.append(dict(case=f"quality first at budget {b:g}", advice=f"{m} ({family(m)})",
                              evidence=_cite(m, b, q[(m, b)])))
-    if throughput:
-        short = min(r["length"] for r in throughput)
-        at = sorted((r for r in throughput if r["length"] == short), key=lambda r: -r["ratio_to_full"])
+    if any(family(r["method"]) != "other" for r in throughput):
+        short = min(r["length"] for r in throughput if family(r["method"]) != "other")
+        at = sorted((r for r in throughput if r["length"] == short and family(r["method"]) != "other"),
+                    key=lambda r: -r["ratio_to_full"])  # methods only (not the routing policy's row)
         free = [r for r in at if r["ratio_to_full"] >= SHORT_RATIO]
         full_tok_s = at[0]["full_tok_s"]
         if free:
