@@ -118,6 +118,17 @@ class Coded:
             s = s + part @ self._levels(levels, codes).transpose(-1, -2)
         return s
 
+    def mix(self, pw: Tensor) -> Tensor:
+        """Weights pw (1, H, M, T) over the reconstructed directions -> (1, H, M, d), one channel part at a
+        time: the split is undone on the small output, never on an (H, T, d) tensor."""
+        if self.parts[0][0] is None:
+            _, levels, _, codes = self.parts[0]
+            return pw @ self._levels(levels, codes)
+        out = pw.new_empty(*pw.shape[:3], self.d)
+        for ix, levels, _, codes in self.parts:
+            out.scatter_(3, ix.long()[None, :, None, :].expand(*pw.shape[:3], -1), pw @ self._levels(levels, codes))
+        return out
+
     def nbytes(self) -> int:
         return sum(tensor_bytes(ix, levels) + codes.nbytes() for ix, levels, _, codes in self.parts)
 
@@ -228,7 +239,7 @@ class TurboQuantState:
     def mix(self, p: Tensor) -> Tensor:
         if self.path == "dequant":
             return p @ self.values()
-        return ((p * self.v_norm.float()[None, :, None, :]) @ self.v.lookup()) @ self.R.float()
+        return self.v.mix(p * self.v_norm.float()[None, :, None, :]) @ self.R.float()
 
 
 @register
