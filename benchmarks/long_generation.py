@@ -36,7 +36,6 @@ from kvsum.decoding import DecodingEviction
 from kvsum.eval.report import meta
 from kvsum.eval.text import haystack, join, sep_ids
 
-
 CONFIGS = ["snapkv 0.25", "kivi 0.25, residual 32 (generated tokens quantized)",
            "snapkv 0.25 + decoding eviction (256 + 64 per head)"]
 
