@@ -85,32 +85,44 @@ def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequ
     return rows
 
 
-def _one_example(model, tokenizer, t: Task, ex: Example, configs, per) -> None:
+def prefill_example(model, tokenizer, t: Task, ex: Example, configs) -> tuple:
+    """Prefill one example once, with every extra its configurations ask for, and score the full cache on it:
+    (prefill, prefill seconds, reference: the full cache's forced logits and targets, or its score)."""
     t0 = time.perf_counter()
     opts = {k: v for name, knobs, _ in configs for k, v in make_method(name, **knobs).prefill_options().items() if v}
     pre = prefill(model, ex.context_ids.to(model.device), **opts)
     prefill_s = time.perf_counter() - t0
     ref_cache = compress_prefill(pre, make_method("full"), 1.0)
     if t.kind == "lm":
-        ref_logits = forced_logits(model, ex, ref_cache)
-        targets = ex.question_ids[0, 1:]
+        ref = (forced_logits(model, ex, ref_cache), ex.question_ids[0, 1:])
     else:
-        ref_score, _ = answer(model, tokenizer, t, ex, ref_cache)
-    del ref_cache
+        ref = answer(model, tokenizer, t, ex, ref_cache)[0]
+    return pre, prefill_s, ref
+
+
+def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, name: str, knobs: dict,
+           budget: float) -> dict:
+    """One configuration on one prefilled example: bytes held, times, and its score beside the reference."""
+    t0 = time.perf_counter()
+    cache = compress_prefill(pre, make_method(name, **knobs), budget)
+    compress_s = time.perf_counter() - t0
+    rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
+               compress_s=compress_s, global_bytes=cache.budget_nbytes(),
+               global_full_bytes=cache.budget_reference_nbytes)  # global_*: the layers the budget governs
+    if t.kind == "lm":
+        ref_logits, targets = ref
+        rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
+    else:
+        rec["score"], rec["output"] = answer(model, tokenizer, t, ex, cache)
+        rec["full_score"] = ref
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _one_example(model, tokenizer, t: Task, ex: Example, configs, per) -> None:
+    pre, prefill_s, ref = prefill_example(model, tokenizer, t, ex, configs)
     for (name, knobs, budget), recs in zip(configs, per):
-        t0 = time.perf_counter()
-        cache = compress_prefill(pre, make_method(name, **knobs), budget)
-        compress_s = time.perf_counter() - t0
-        rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
-                   compress_s=compress_s, global_bytes=cache.budget_nbytes(),
-                   global_full_bytes=cache.budget_reference_nbytes)  # global_*: the layers the budget governs
-        if t.kind == "lm":
-            rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
-        else:
-            rec["score"], rec["output"] = answer(model, tokenizer, t, ex, cache)
-            rec["full_score"] = ref_score
-        rec["seconds"] = time.perf_counter() - t0
-        recs.append(rec)
+        recs.append(record(model, tokenizer, t, ex, pre, prefill_s, ref, name, knobs, budget))
 
 
 def _mean(recs: list[dict], key: str) -> float:

@@ -12,12 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..compress import compress_prefill, prefill
 from ..errors import KVSumError
-from ..eval.metrics import fidelity
-from ..eval.runner import _configs, _row, answer, forced_logits
+from ..eval.runner import _configs, _row, prefill_example, record
 from ..eval.tasks import DEPTHS, example_seed, get_task
-from ..methods import make_method
 from .specs import Store
 
 
@@ -67,37 +64,14 @@ def evaluate(model, tokenizer, model_name: str, tasks: list[str], specs: list[tu
 
 
 def _run_example(model, tokenizer, t, ex, configs, deadline) -> list[dict]:
-    """Records for a prefix of `configs` on one example (stopping at the deadline): runner._one_example's work."""
-    t0 = time.perf_counter()
-    opts = {k: v for name, knobs, _ in configs for k, v in make_method(name, **knobs).prefill_options().items() if v}
-    pre = prefill(model, ex.context_ids.to(model.device), **opts)
-    prefill_s = time.perf_counter() - t0
-    ref_cache = compress_prefill(pre, make_method("full"), 1.0)
-    if t.kind == "lm":
-        ref_logits = forced_logits(model, ex, ref_cache)
-        targets = ex.question_ids[0, 1:]
-    else:
-        ref_score, _ = answer(model, tokenizer, t, ex, ref_cache)
-    del ref_cache
+    """Records for a prefix of `configs` on one example (stopping at the deadline), as the runner makes them."""
+    pre, prefill_s, ref = prefill_example(model, tokenizer, t, ex, configs)
     out = []
     for name, knobs, budget in configs:
         if out and deadline is not None and time.time() > deadline:
             break
-        t0 = time.perf_counter()
         try:
-            cache = compress_prefill(pre, make_method(name, **knobs), budget)
-            compress_s = time.perf_counter() - t0
-            rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
-                       compress_s=compress_s, global_bytes=cache.budget_nbytes(),
-                       global_full_bytes=cache.budget_reference_nbytes)  # the layers the budget governs
-            if t.kind == "lm":
-                rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
-            else:
-                rec["score"], rec["output"] = answer(model, tokenizer, t, ex, cache)
-                rec["full_score"] = ref_score
+            out.append(record(model, tokenizer, t, ex, pre, prefill_s, ref, name, knobs, budget))
         except Exception as e:  # one broken configuration must not sink a long report run
             out.append(dict(error=f"{type(e).__name__}: {e}", deterministic=isinstance(e, KVSumError)))
-            continue
-        rec["seconds"] = time.perf_counter() - t0
-        out.append(rec)
     return out
