@@ -28,7 +28,19 @@ from kvsum.methods.base import LayerInput, make_method
 
 METHODS = ["full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi"]
 BUDGETS = [0.5, 0.25, 0.125]
+CALIBRATED = ("echokv", "lowrank")  # with an artifact calibrated on Gemma (in chunks within its sliding window)
 QUANT = ("turboquant", "kivi")  # whether a bit width fits depends on the bytes alone: checked up front
+
+
+def artifact(model, tokenizer, name: str) -> Path:
+    """The model's calibration artifact in the kvsum cache, calibrated (and saved) on first use."""
+    from kvsum.calibrate import calibrate
+    from kvsum.models import cache_dir
+
+    path = cache_dir() / f"{name}-reconstruct.kvsum"
+    if not path.exists():
+        calibrate(model, tokenizer).save(path)
+    return path
 
 
 def feasible(name: str, budget: float, length: int, H: int = 1, d: int = 256) -> str | None:
@@ -83,13 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", choices=["passkey", "multikey", "lm"], required=True)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--n", type=int, default=6, help="examples")
+    ap.add_argument("--methods", nargs="+", default=METHODS + list(CALIBRATED),
+                    help="rows of other methods already in the results are kept")
     args = ap.parse_args(argv)
     model, tokenizer, t0 = start(args)
     methods, refused = [], []
-    for name in METHODS:
+    for name in args.methods:
         why = {b: feasible(name, b, args.length) for b in BUDGETS} if name in QUANT else {}
         refused += [dict(method=name, budget=b, error=e) for b, e in why.items() if e]
-        methods.append((name, {}, [b for b in BUDGETS if not why.get(b)]) if why else name)
+        knobs = {"artifact": str(artifact(model, tokenizer, args.model))} if name in CALIBRATED else {}
+        methods.append((name, knobs, [b for b in BUDGETS if not why.get(b)]) if why or knobs else name)
     rows = run(model, tokenizer, args.task, methods, BUDGETS, [args.length], args.n)
     out = Path(args.out)
     js = out.with_name(out.name + ".json")
@@ -97,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads,
                 wall_s=round(time.perf_counter() - t0, 1), task=args.task)
     info["refused"] = refused
-    keep = [r for r in old["rows"] if r["task"] != args.task]
-    runs = [r for r in old["runs"] if r.get("task") != args.task] + [info]
+    info["methods"] = args.methods
+    keep = [r for r in old["rows"] if r["task"] != args.task or r["method"] not in args.methods]
+    runs = [r for r in old["runs"] if r.get("task") != args.task
+            or not set(r.get("methods", METHODS)) <= set(args.methods)] + [info]
     order = {"passkey": 0, "multikey": 1, "lm": 2}
     data = {"rows": sorted(keep + rows, key=lambda r: order[r["task"]]),
             "runs": sorted(runs, key=lambda r: order[r["task"]])}

@@ -424,11 +424,10 @@ def calibrate(model, tokenizer=None, text: str | None = None, method: str = "all
     start = time.perf_counter()
     ids, source = _calibration_ids(tokenizer, text, ids, tokens)
     shape = ModelShape.of(model)
-    sliding = [i for i, w in enumerate(shape.windows) if w is not None]
-    if sliding:  # their caches hold only a window, and the methods rebuild a layer from its neighbour
-        raise KVSumError(f"calibrate: {model.config.get_text_config().model_type!r} has {len(sliding)} sliding-window "
-                         f"layers of {shape.n_layers}; echokv and lowrank support models whose layers are all global")
-    seq_len = max(2, min(seq_len, shape.max_len))
+    windows = [w for w in shape.windows if w is not None]
+    # sliding-window layers hold only their window: chunks no longer than it give every layer the same tokens
+    # (only global layers are compressed; their moments are what the methods use)
+    seq_len = max(2, min([seq_len, shape.max_len] + [w - 1 for w in windows]))
     L, H, d = shape.n_layers, shape.n_kv_heads, shape.head_dim
     rope = rope_of(model, d, L)
     kinds = (["k_pre"] if rope else []) + (["k_post"] if method != "echokv" or not rope else []) + ["v"]

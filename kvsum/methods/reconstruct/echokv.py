@@ -183,9 +183,11 @@ class EchoKV(Method):
     def compress(self, x: LayerInput) -> EchoState:
         art = artifact_of(self, "echokv", x.n_layers, x.H, x.d)
         S, kk, kv = self.layout(x)
+        # the previous layer's stored channels help when that layer was compressed just before this one; after
+        # an uncompressed (sliding-window) layer, a global layer is rebuilt from its own channels alone
         prev = getattr(self, "_prev", None) if x.layer_idx > 0 else None
-        if x.layer_idx > 0 and (prev is None or prev.layer_idx != x.layer_idx - 1 or prev.S != S):
-            raise KVSumError("echokv compresses layers in order from layer 0 (each layer reads the previous one)")
+        if prev is not None and (prev.layer_idx != x.layer_idx - 1 or prev.S != S):
+            prev = None
         kind = art.key_space()
         none = torch.empty(0, dtype=torch.long)
         plans = {w: art.echo_plan(kind if w == "k" else "v", x.layer_idx, k, prev.plans[w].sel.cpu() if prev else none)

@@ -165,7 +165,8 @@ class LowRank(Method):
             self._pending = (group, Coefficients(), [], [], self.ranks(x, len(group), S))
         pending = getattr(self, "_pending", None)
         if pending is None or pending[0] != group or len(pending[2]) != x.layer_idx - group[0]:
-            raise KVSumError("lowrank compresses layers in order (layers of a group share coefficients)")
+            raise KVSumError("lowrank compresses layers in order (layers of a group share coefficients); "
+                             "on models with sliding-window layers, use share_layers=1")
         _, coef, states, xs, ranks = pending
         keys = x.keys[:, S:]
         if rope is not None:
