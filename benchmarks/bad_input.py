@@ -135,7 +135,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
          lambda: Artifact.load(folder / "a.kvsum", llama(seed=1))),
         ("artifact file that is not one",
          lambda: kvsum.compress(m, ids, method="lowrank", artifact=folder / "junk.kvsum")),
-        ("calibrate a model with sliding-window layers", lambda: calibrate(g, ids=ids[0], tokens=100, progress=False)),
+        ("calibrate on fewer than 2 tokens", lambda: calibrate(g, ids=ids[0], tokens=1, progress=False)),
         # caches
         ("compress_prefill on a consumed prefill", consumed),
         ("compressed cache (1 sequence) fed a batch of 2", batch_cache_on_bigger_batch),
@@ -148,7 +148,7 @@ CLI = [
     ["eval", "--method", "full", "--budget", "2"],
     ["eval", "--method", "nope"],
     ["demo", "--budget", "0"],
-    ["calibrate", "--model", "gemma3-270m"],
+    ["calibrate", "--model", "smollm2", "--text", "/nonexistent/calibration.txt"],
 ]
 
 
