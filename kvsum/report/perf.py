@@ -106,13 +106,18 @@ def throughput(model, tokenizer, model_name: str, specs, budget: float, lengths:
                 res = dict(length=length, method=name, full_s=full, s=secs, tok_s=new / secs, full_tok_s=new / full,
                            ratio_to_full=full / secs, bytes_ratio=ratio, new=new, budget=budget)
                 store.put(fields, res)
-            if res is None:
-                complete = False
-            elif "error" not in res:
-                rows.append(res)
-            if on_unit:
-                on_unit(f"throughput {length} {name}")
+            complete = _settle(res, rows, on_unit, f"throughput {length} {name}") and complete
     return rows, complete
+
+
+def _settle(res: dict | None, rows: list[dict], on_unit, label: str) -> bool:
+    """File one unit's result (a measurement, a cached refusal, or None when the deadline left it undone);
+    False when it is still to do."""
+    if res is not None and "error" not in res:
+        rows.append(res)
+    if on_unit:
+        on_unit(label)
+    return res is not None
 
 
 def scaling(model, tokenizer, model_name: str, specs, budget: float, lengths: list[int], threads: int,
@@ -146,12 +151,7 @@ def scaling(model, tokenizer, model_name: str, specs, budget: float, lengths: li
                            step_ms=1000 * step, full_step_ms=1000 * base["full_step"],
                            decode_ratio=step / base["full_step"], bytes_ratio=cache.nbytes() / cache.reference_nbytes)
                 store.put(fields, res)
-            if res is None:
-                complete = False
-            elif "error" not in res:
-                rows.append(res)
-            if on_unit:
-                on_unit(f"scaling {length} {name}")
+            complete = _settle(res, rows, on_unit, f"scaling {length} {name}") and complete
     return rows, complete
 
 
