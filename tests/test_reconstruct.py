@@ -246,13 +246,17 @@ def test_echokv_previous_layer_helps(model, art, ctx):
         assert both["k"] < own["k"] - 0.02 and both["v"] < own["v"] - 0.02, (keep, both, own)
 
 
-def test_layers_must_come_in_order(art, ctx, model):
+def test_layers_come_in_order_or_rebuild_from_their_own_channels(art, ctx, model):
     pre = kvsum.prefill(model, ctx)
     layer = pre.cache.layers[1]
     x = kvsum.LayerInput(layer.keys[0].float(), layer.values[0].float(), None, None, 0.25, 1, 2, 1e9, torch.float16)
-    for method in ("echokv", "lowrank"):
-        with pytest.raises(kvsum.KVSumError, match="in order"):
-            make_method(method, artifact=art, **({"share_layers": 2} if method == "lowrank" else {})).compress(x)
+    with pytest.raises(kvsum.KVSumError, match="in order"):
+        make_method("lowrank", artifact=art, share_layers=2).compress(x)
+    # echokv without the previous layer's state (out of order, or after an uncompressed sliding-window layer)
+    # rebuilds from this layer's own stored channels: a plan with no previous-layer inputs
+    state = make_method("echokv", artifact=art, keep=0.5).compress(x)
+    assert state.prev is None and all(len(p.prev) == 0 for p in state.plans.values())
+    assert torch.isfinite(state.rebuilt("k")).all() and torch.isfinite(state.rebuilt("v")).all()
 
 
 @pytest.mark.model
