@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvsum.attention import use_kvsum_attention
 
@@ -33,3 +33,32 @@ def smollm2():
     import kvsum
 
     return kvsum.load_model("smollm2")
+
+
+def greedy_logits(model, full_ids, cache, steps: int = 20):
+    out = model.generate(full_ids, cache=cache, max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.logits
+
+
+def assert_full_is_dynamic_cache(model, ctx, question, steps: int = 20):
+    """kvsum's `full` cache and transformers' own DynamicCache (with the model's own attention) give the same
+    greedy logits, bit for bit; returns both caches."""
+    import kvsum
+
+    full_ids = torch.cat([ctx, question], -1)
+    cache = kvsum.compress(model, ctx, method="full")
+    ours = greedy_logits(model, full_ids, cache, steps)
+    base = model.config._attn_implementation.removeprefix("kvsum_")
+    model.set_attn_implementation(base)
+    try:
+        ref_cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ctx, cache=ref_cache)
+        ref = greedy_logits(model, full_ids, ref_cache, steps)
+    finally:
+        model.set_attn_implementation("kvsum_" + base)
+    assert len(ours) == len(ref) == steps
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    return cache, ref_cache

@@ -7,36 +7,12 @@ from kvsum.attention import joint_attention
 from kvsum.methods.base import make_method
 from kvsum.state import EntryState
 
-from .conftest import tiny_llama
-
-
-def _greedy_logits(model, full_ids, cache, steps=20):
-    out = model.generate(full_ids, cache=cache, max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
-                         output_logits=True, return_dict_in_generate=True)
-    return out.logits
-
-
-def _assert_full_is_dynamic_cache(model, ctx, question):
-    full_ids = torch.cat([ctx, question], -1)
-    cache = kvsum.compress(model, ctx, method="full")
-    ours = _greedy_logits(model, full_ids, cache)
-    base = model.config._attn_implementation.removeprefix("kvsum_")
-    model.set_attn_implementation(base)
-    try:
-        ref_cache = DynamicCache()
-        with torch.no_grad():
-            model(ctx, cache=ref_cache)
-        ref = _greedy_logits(model, full_ids, ref_cache)
-    finally:
-        model.set_attn_implementation("kvsum_" + base)
-    assert len(ours) == len(ref) == 20
-    for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
+from .conftest import assert_full_is_dynamic_cache, greedy_logits, tiny_llama
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_full_is_bit_identical_to_dynamic_cache_tiny(attn, ids):
-    _assert_full_is_dynamic_cache(tiny_llama(attn), ids, ids[:, :7])
+    assert_full_is_dynamic_cache(tiny_llama(attn), ids, ids[:, :7])
 
 
 @pytest.mark.model
@@ -47,7 +23,7 @@ def test_full_is_bit_identical_to_dynamic_cache_smollm2(attn, smollm2):
     q = tok(" In short,", return_tensors="pt").input_ids
     model.set_attn_implementation("kvsum_" + attn)
     try:
-        _assert_full_is_dynamic_cache(model, ctx, q)
+        assert_full_is_dynamic_cache(model, ctx, q)
     finally:
         model.set_attn_implementation("kvsum_sdpa")
 
@@ -172,10 +148,10 @@ def test_stream_folding_tail_into_state_keeps_outputs(attn, keep, ids):
     model = tiny_llama(attn)
     ctx, q = ids, ids[:, :7]
     full_ids = torch.cat([ctx, q], -1)
-    ref = _greedy_logits(model, full_ids, kvsum.compress(model, ctx, method="full"))
+    ref = greedy_logits(model, full_ids, kvsum.compress(model, ctx, method="full"))
     streams = {}
     cache = kvsum.compress(model, ctx, method="full").attach(lambda i: streams.setdefault(i, _FoldAll(keep)))
-    ours = _greedy_logits(model, full_ids, cache)
+    ours = greedy_logits(model, full_ids, cache)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert all(layer.tail_length() <= keep + 1 for layer in cache.layers)

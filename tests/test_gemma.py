@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import kvsum
 from kvsum.cache import KVSumSlidingLayer
 from kvsum.methods.base import make_method
+
+from .conftest import assert_full_is_dynamic_cache
 
 pytestmark = pytest.mark.model
 
@@ -27,22 +28,11 @@ def ctx(gemma):
 def test_full_is_bit_identical_to_dynamic_cache(gemma, ctx, attn):
     model, tok = gemma
     q = tok(" In short,", return_tensors="pt", add_special_tokens=False).input_ids
-    full_ids = torch.cat([ctx, q], -1)
-    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
     model.set_attn_implementation("kvsum_" + attn)
     try:
-        cache = kvsum.compress(model, ctx, method="full")
-        ours = model.generate(full_ids, past_key_values=cache, **kw).logits
-        model.set_attn_implementation(attn)
-        ref_cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(ctx, past_key_values=ref_cache)
-        ref = model.generate(full_ids, past_key_values=ref_cache, **kw).logits
+        cache, ref_cache = assert_full_is_dynamic_cache(model, ctx, q)
     finally:
         model.set_attn_implementation("kvsum_sdpa")
-    assert len(ours) == len(ref) == 20
-    for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
     for mine, theirs in zip(cache.layers, ref_cache.layers):
         assert type(theirs).__name__ in ("DynamicSlidingWindowLayer", "DynamicLayer")
         assert isinstance(mine, KVSumSlidingLayer) == (type(theirs).__name__ == "DynamicSlidingWindowLayer")
