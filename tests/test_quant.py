@@ -9,7 +9,7 @@ from scipy import integrate
 import kvsum
 from kvsum.methods.base import LayerInput, make_method
 from kvsum.methods.quant.codebook import coordinate_law, lloyd_max
-from kvsum.methods.quant.packing import pack, packed_nbytes, unpack
+from kvsum.methods.quant.packing import Packed, pack, packed_nbytes, unpack
 from kvsum.methods.quant.turboquant import Coded, gaussian, qjl_encode, qjl_estimate, rotation
 
 from .conftest import tiny_llama
@@ -33,6 +33,9 @@ def test_pack_round_trip(bits):
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits) == math.ceil(n / 8) * bits
     assert torch.equal(unpack(packed, bits, n).view(3, 7, 5).long(), codes)
+    # decoding through the word tables gives levels[code] for every width (3 bits: 12-bit words)
+    levels = tuple(float(v) for v in torch.randn(2 ** bits, generator=torch.Generator().manual_seed(9)))
+    assert torch.equal(Packed(codes, bits).lookup(levels), torch.tensor(levels)[codes])
 
 
 def test_codebook_levels_match_lloyd_max_for_the_beta_law():
@@ -82,7 +85,7 @@ def test_qjl_makes_turboquant_logits_unbiased():
     exact = q @ x.keys.transpose(-1, -2)
     err = {}
     for qjl, bits in [(True, 2), (False, 1)]:
-        est = torch.stack([make_method("turboquant", bits=bits, qjl=qjl, seed=s).compress(x).scores(q, 1.0)
+        est = torch.stack([make_method("turboquant", bits=bits, qjl=qjl, seed=s, sinks=0).compress(x).scores(q, 1.0)
                            for s in range(400)])
         err[qjl] = (est.mean(0) - exact, est.std(0) / math.sqrt(len(est)))
     mean, se = err[True]
@@ -117,11 +120,12 @@ def test_nbytes_is_the_analytic_count():
     # turboquant 3.5 bits: half the channels at 4 bits, half at 3, for K and V; fp16 norms and rotation;
     # fp32 codebooks; uint8 outlier channel indices per head.
     per = tokens * (d // 2) * 4 / 8 + tokens * (d // 2) * 3 / 8 + 4 * (16 + 8) + H * d
-    assert make_method("turboquant", bits=3.5).compress(x).nbytes() == 2 * per + 2 * tokens * 2 + d * d * 2
+    plain = dict(skew=0, sinks=0)  # the layout alone: no key/value skew, no exact sinks
+    assert make_method("turboquant", bits=3.5, **plain).compress(x).nbytes() == 2 * per + 2 * tokens * 2 + d * d * 2
     # with qjl at 2.5 bits, keys: 1.5-bit MSE codes + sign bits + fp16 |r| + fp16 S
     keys = tokens * (d // 2) * (2 + 1) / 8 + 4 * (4 + 2) + H * d + tokens * d / 8 + tokens * 2 + d * d * 2
     vals = tokens * (d // 2) * (3 + 2) / 8 + 4 * (8 + 4) + H * d
-    state = make_method("turboquant", bits=2.5, qjl=True).compress(x)
+    state = make_method("turboquant", bits=2.5, qjl=True, **plain).compress(x)
     assert state.nbytes() == keys + vals + 2 * tokens * 2 + d * d * 2
     # kivi: codes, fp16 scale + min per (32 tokens, channel) for keys and per (token, 16 channels) for values,
     # fp16 residual of T - n_q tokens
@@ -132,15 +136,15 @@ def test_nbytes_is_the_analytic_count():
 
 
 def test_budget_picks_or_refuses_bits():
-    x = _layer(budget=0.31)  # 3.5 bits take 0.301 at head dim 16 (norms and rotation included), 4 bits 0.329
+    x = _layer(budget=0.31)  # no exact sinks: 3.5 bits take 0.301 at head dim 16 (norms, rotation), 4 bits 0.329
     with pytest.raises(kvsum.KVSumError, match=r"bits=4 needs 0\.329 .* bits that fit: 3\.5, 3, 2\.5, 2, 1"):
-        make_method("turboquant", bits=4).compress(x)
-    assert make_method("turboquant").compress(x).bits == 3.5
-    assert make_method("turboquant", qjl=True).compress(x).bits == 3  # |r| and S cost the other half bit
+        make_method("turboquant", sinks=0, bits=4).compress(x)
+    assert make_method("turboquant", sinks=0).compress(x).bits == 3.5
+    assert make_method("turboquant", sinks=0, skew=0, qjl=True).compress(x).bits == 3  # |r|, S: half a bit
     with pytest.raises(kvsum.KVSumError, match="not supported"):
-        make_method("turboquant", bits=5).compress(x)
+        make_method("turboquant", sinks=0, bits=5).compress(x)
     with pytest.raises(kvsum.KVSumError, match="no supported bit width fits"):
-        make_method("turboquant").compress(_layer(budget=0.05))
+        make_method("turboquant", sinks=0).compress(_layer(budget=0.05))
     with pytest.raises(kvsum.KVSumError, match="kivi: bits=4 needs .* 140 of 300 tokens stay in full precision"):
         make_method("kivi", bits=4).compress(_layer(budget=0.6))
     assert make_method("kivi").compress(_layer(budget=0.6)).bits == 2
@@ -213,7 +217,8 @@ def _stepwise(model, cache, cont):
                             for t in range(cont.shape[1])])
 
 
-@pytest.mark.parametrize("method,knobs", [("turboquant", dict(bits=4)), ("turboquant", dict(bits=3, qjl=True)),
+@pytest.mark.parametrize("method,knobs", [("turboquant", dict(bits=4, sinks=0)),
+                                          ("turboquant", dict(bits=3, qjl=True, sinks=0)),
                                           ("kivi", dict(bits=2))])
 def test_decoded_tokens_are_quantized_in_groups(method, knobs):
     model = tiny_llama()
@@ -247,3 +252,51 @@ def test_decoded_tokens_are_quantized_in_groups(method, knobs):
     out = model.generate(ids[:, :305], cache=kvsum.compress(model, ctx, method=method, budget=1.0, **knobs),
                          max_new_tokens=60, min_new_tokens=60, do_sample=False)
     assert out.shape == (1, 365)
+
+
+def test_turboquant_keeps_sinks_and_window_exact():
+    H, T, d = 2, 300, 16
+    x = _layer(H, T, d)
+    m = make_method("turboquant", bits=3, sinks=4, window=32)
+    state = m.compress(x)
+    sinks, coded, window = state.parts
+    assert coded.T == T - 36 and sinks.lengths() == [4, 4] and window.lengths() == [32, 32]
+    # the exact entries are the prompt's first 4 and last 32 tokens, in the storage dtype
+    assert torch.equal(sinks.keys.view(H, 4, d), x.keys[:, :4].half())
+    assert torch.equal(window.values.view(H, 32, d), x.values[:, T - 32:].half())
+    assert state.nbytes() == m.nbytes(H, T - 36, d, 3) + 2 * H * 36 * d * 2
+    # the columns follow the positions; only the coded tokens carry error
+    q = torch.randn(1, H, 3, d)
+    err = (state.scores(q, 0.25) - q @ x.keys[None].transpose(-1, -2) * 0.25).abs()
+    assert err[..., :4].max() < 2e-2 and err[..., T - 32:].max() < 2e-2 and err[..., 4:T - 32].max() > 0.1
+    # the budget counts the exact tokens: bits=3 fits 0.35 alone but not with 200 exact tokens
+    make_method("turboquant", bits=3).compress(_layer(H, T, d, budget=0.35))
+    with pytest.raises(kvsum.KVSumError, match="bits=3 needs"):
+        make_method("turboquant", bits=3, window=200).compress(_layer(H, T, d, budget=0.35))
+    with pytest.raises(kvsum.KVSumError, match="sinks must be an integer >= 0"):
+        make_method("turboquant", sinks=-1)
+
+
+def test_turboquant_skew_gives_keys_more_bits_within_1_to_4():
+    m = make_method("turboquant")  # skew 0.5 by default
+    assert [m.widths(b) for b in (1, 2, 2.5, 3.5, 4)] == [(1, 1), (2.5, 1.5), (3, 2), (4, 3), (4, 4)]
+    assert make_method("turboquant", skew=0).widths(3.5) == (3.5, 3.5)
+    assert make_method("turboquant", qjl=True).widths(3) == (2.5, 2.5)  # keys: 3.5 = 2.5 MSE + 1 QJL
+    x = _layer(2, 300, 16)
+    st = make_method("turboquant", bits=3.5, sinks=0).compress(x)
+    assert (st.k.parts[0][2], st.v.parts[0][2]) == (4, 3)
+    # the keys' extra bit buys lower key error at the values' expense
+    err = {skew: make_method("turboquant", bits=3.5, sinks=0, skew=skew).compress(x) for skew in (0, 0.5)}
+    kerr = {s: (st.keys() - x.keys).norm() for s, st in err.items()}
+    verr = {s: (st.values() - x.values).norm() for s, st in err.items()}
+    assert kerr[0.5] < 0.8 * kerr[0] and verr[0.5] > verr[0]
+
+
+def test_turboquant_with_exact_tokens_streams_decoded_tokens_into_its_codes():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(3))
+    cache = kvsum.compress(model, ids[:, :300], method="turboquant", budget=1.0, bits=4, sinks=4, window=16)
+    coded = cache.layers[0].state.parts[1]
+    _stepwise(model, cache, ids[:, 300:])
+    assert coded.T == 300 - 20 + 100 - cache.layers[0].tail_length()  # decoded tokens joined the codes
+    assert cache.layers[0].tail_length() <= 32

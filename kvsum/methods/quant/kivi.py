@@ -38,6 +38,11 @@ def minmax_codes(x: Tensor, dim: int, bits: int) -> tuple[Tensor, Tensor, Tensor
     return codes, sc, mn
 
 
+def _ints(bits: int) -> tuple[float, ...]:
+    """The integer codes as levels, so packed codes decode through one table lookup."""
+    return tuple(float(i) for i in range(2 ** bits))
+
+
 class KIVIState:
     """The first n_q tokens as packed codes (keys per channel over `group` tokens, values per token over
     `ch_group` channels), the newest ones in full precision (`storage`).
@@ -90,11 +95,11 @@ class KIVIState:
 
     def keys(self) -> Tensor:
         """All keys (H, T, d): dequantized codes then the full-precision residual."""
-        k = self.k_codes.codes().float() * self.k_scale.float() + self.k_min.float()  # (G, H, group, d)
+        k = self.k_codes.lookup(_ints(self.bits)) * self.k_scale.float() + self.k_min.float()  # (G, H, group, d)
         return torch.cat([k.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.k_res.float()], 1)
 
     def values(self) -> Tensor:
-        v = self.v_codes.codes().float() * self.v_scale.float() + self.v_min.float()  # (n_q, H, d / ch, ch)
+        v = self.v_codes.lookup(_ints(self.bits)) * self.v_scale.float() + self.v_min.float()  # (n_q, H, d/ch, ch)
         return torch.cat([v.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.v_res.float()], 1)
 
     def scores(self, q: Tensor, scale: float) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
-from ...state import tensor_bytes
+from ...state import ConcatState, tensor_bytes
 from ..base import LayerInput, Method, register
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
@@ -97,8 +97,7 @@ class Coded:
 
     @staticmethod
     def _levels(levels: Tensor, codes: Packed) -> Tensor:
-        c = codes.codes()  # (T, H, c); index_select is ~2x faster than indexing with a long tensor
-        return levels.index_select(0, c.reshape(-1).int()).view(c.shape).transpose(0, 1)  # (H, T, c)
+        return codes.lookup(tuple(levels.tolist())).transpose(0, 1)  # (T, H, c) -> (H, T, c)
 
     def lookup(self) -> Tensor:
         """Reconstructed rotated unit directions (H, T, d)."""
@@ -159,9 +158,10 @@ class TurboQuantState:
     `extend` quantizes decoding-time tokens into the same stores (same rotation, codebooks, channel split)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
-                 path: str):
+                 path: str, widths: tuple[float, float] | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
+        self.widths = widths or (bits - 1 if qjl else bits, bits)  # (keys' MSE codes, values)
         self.T = 0
         self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
         self.extend(keys, values)
@@ -179,7 +179,7 @@ class TurboQuantState:
         yk, k_norm = self._directions(keys, Rf)
         yv, v_norm = self._directions(values, Rf)
         if self.k is None:
-            self.k, self.v = Coded(yk, self.bits - 1 if self.qjl else self.bits), Coded(yv, self.bits)
+            self.k, self.v = Coded(yk, self.widths[0]), Coded(yv, self.widths[1])
             k_hat = self.k.lookup()
         else:
             k_hat = self.k.extend(yk)
@@ -247,8 +247,11 @@ class TurboQuantState:
 class TurboQuant(Method):
     """`bits` per coordinate on average over keys and values (None: the largest in SUPPORTED that fits the
     budget); with `qjl` keys spend one of them on the QJL sketch. The rotation and the QJL matrix are held in
-    fp16 and counted in nbytes. During decoding, generated tokens are quantized `group` at a time once more
-    than `residual` + `group` of them are held in full precision."""
+    fp16 and counted in nbytes. `skew` moves bits from values to keys (3.5 bits, skew 0.5: keys at 4, values
+    at 3; both stay within 1..4): retrieval hinges on the keys' logits. During decoding, generated tokens are
+    quantized `group` at a time once more than `residual` + `group` of them are held in full precision. The
+    first `sinks` and the last `window` prompt tokens stay exact (in the storage dtype, counted in the budget):
+    attention sinks draw most of the mass, so their code error moves every logit."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
@@ -256,8 +259,11 @@ class TurboQuant(Method):
     qjl: bool = False
     seed: int = 0
     path: str = "rotated"
+    skew: float = 0.5
     group: int = 32
     residual: int = 0
+    sinks: int = 4
+    window: int = 0
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -266,12 +272,33 @@ class TurboQuant(Method):
             raise KVSumError(f"turboquant: need group >= 1 and residual >= 0, got group={self.group}, "
                              f"residual={self.residual}")
 
+    def _exact(self, T: int) -> tuple[int, int]:
+        """(first, last) prompt tokens kept exact: the attention sinks and the newest window."""
+        first = min(self.sinks, T)
+        return first, min(self.window, T - first)
+
     def supported(self) -> list:
-        return [b for b in SUPPORTED if b >= 2] if self.qjl else list(SUPPORTED)
+        """The widths in SUPPORTED whose key and value widths (after skew and QJL) are codable."""
+        out = []
+        for b in SUPPORTED:
+            try:
+                self.widths(b)
+                out.append(b)
+            except KVSumError:
+                pass
+        return out
+
+    def widths(self, bits: float) -> tuple[float, float]:
+        """(keys' MSE code width, values' width), `bits` on average: keys get up to `skew` more, as long as
+        neither leaves 1..4 bits; with QJL one of the keys' bits goes to the sketch."""
+        k = max(bits, min(bits + self.skew, 4, 2 * bits - 1))
+        if k - self.qjl < 1:
+            raise KVSumError(f"turboquant: bits={bits} leaves the keys {k - self.qjl} bits of MSE codes with QJL")
+        return k - self.qjl, 2 * bits - k
 
     def nbytes(self, H: int, T: int, d: int, bits: float) -> int:
         """Exactly what a state of (H, T, d) keys and values at `bits` holds."""
-        n = coded_nbytes(H, T, d, bits - 1 if self.qjl else bits) + coded_nbytes(H, T, d, bits)
+        n = sum(coded_nbytes(H, T, d, w) for w in self.widths(bits))
         n += 2 * H * T * 2 + d * d * 2  # fp16 norms, fp16 rotation
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
@@ -282,13 +309,22 @@ class TurboQuant(Method):
         seed = self.seed * 1_000_003 + 2 * layer_idx
         R = rotation(keys.shape[-1], seed).to(torch.float16).to(keys.device)
         S = gaussian(keys.shape[-1], seed + 1).to(torch.float16).to(keys.device) if self.qjl else None
-        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path)
+        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, self.widths(bits))
 
-    def compress(self, x: LayerInput) -> TurboQuantState:
+    def compress(self, x: LayerInput) -> TurboQuantState | ConcatState:
         full = 2 * x.H * x.T * x.d * 2
+        first, last = self._exact(x.T)
+        n_q, exact = x.T - first - last, (first + last) * x.H * x.entry_bytes()
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
-                         lambda b: self.nbytes(x.H, x.T, x.d, b), x.budget_bytes, full)
-        return self.build(x.keys, x.values, bits, x.layer_idx)
+                         lambda b: self.nbytes(x.H, n_q, x.d, b) + exact, x.budget_bytes, full)
+        if not first + last:
+            return self.build(x.keys, x.values, bits, x.layer_idx)
+        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx)
+        exact = [x.keep([torch.arange(a, b, device=x.keys.device)] * x.H) if b > a else None
+                 for a, b in ((0, first), (x.T - last, x.T))]
+        return ConcatState([exact[0], coded, exact[1]])  # in position order
 
     def stream(self, layer_idx: int, state) -> QuantStream | None:
+        if isinstance(state, ConcatState):  # exact sinks/window beside the codes: decoded tokens join the codes
+            state = next((p for p in state.parts if isinstance(p, TurboQuantState)), None)
         return QuantStream(self.group, self.residual, live=state) if isinstance(state, TurboQuantState) else None
