@@ -8,7 +8,7 @@
              summary+turboquant vs summary vs turboquant (TurboQuant alone cannot go below 1 bit plus
              its fp16 norms, ~0.083 at head dim 64: its 1-bit row is the closest it gets);
   decode:    decode-step time over the quantized cache vs the full cache, both TurboQuant attention paths
-             (and KIVI), as ratios measured in one run, interleaved.
+             at 4 / 3.5 / 2.5 / 2 bits and KIVI 4 / 2 bits, as ratios measured in one run, interleaved.
 Decoded tokens are quantized by the methods' streams (kvsum.compress attaches them) in every part.
 Writes benchmarks/results/quant_<part>.{json,md}.
 """
@@ -29,6 +29,7 @@ from kvsum.eval import run
 from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
 from kvsum.methods.base import make_method
+from kvsum.methods.quant.turboquant import PATHS
 
 QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.0]),
          ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
@@ -44,8 +45,8 @@ def decode(model, tok, args) -> None:
     ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
     ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     pre = kvsum.prefill(model, ctx)
-    configs = [("full", {}), ("turboquant", {"bits": 3.5, "path": "rotated"}),
-               ("turboquant", {"bits": 3.5, "path": "dequant"}), ("kivi", {"bits": 4})]
+    configs = [("full", {}), *[("turboquant", {"bits": b, "path": p}) for b in (4, 3.5, 2.5, 2) for p in PATHS],
+               ("kivi", {"bits": 4}), ("kivi", {"bits": 2})]
     times = {i: [] for i in range(len(configs))}
     ratio = {}
     for _ in range(args.repeats):
