@@ -2,8 +2,10 @@
 
 Eviction loses query-agnostic retrieval outright; the cover variants keep every token approximately:
 `cover_share` as low-rank factors on the prompt's own bases, `cover_bits` as TurboQuant codes (anchors stay
-exact in both). Passkey and multi-key retrieval at 2k tokens and language-model fidelity, budgets 0.25 and
-0.125. Writes benchmarks/results/summary_cover.{json,md}; about 15 minutes on 2 cores with the defaults.
+exact in both); `summary+turboquant` stores what summary keeps as TurboQuant codes (~5x the entries), beside
+`snapkv+turboquant` on the same bytes. Passkey and multi-key retrieval at 2k tokens and language-model
+fidelity, budgets 0.25 and 0.125. Writes benchmarks/results/summary_cover.{json,md}; about 20 minutes on 2
+cores with the defaults.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ METHODS = [
     ("full", {}, [1.0]),
     ("summary", {}, [0.25, 0.125]),
     ("summary", dict(cover_share=0.75), [0.25, 0.125]),
-    ("summary", dict(cover_bits=2), [0.25]),
-    ("summary", dict(cover_bits=1), [0.25, 0.125]),
+    ("summary", dict(cover_bits=3), [0.25]),
+    ("summary", dict(cover_bits=1), [0.125]),
+    ("summary+turboquant", {}, [0.25, 0.125]),
     ("restkv", {}, [0.25, 0.125]),
+    ("snapkv+turboquant", {}, [0.125]),
     ("turboquant", {}, [0.25, 0.125]),
 ]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = arguments(__doc__, "summary_cover", threads=2)
-    ap.add_argument("--n", type=int, default=6)
+    ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--n-lm", type=int, default=3)
     args = ap.parse_args(argv)
     model, tok, t0 = start(args)
