@@ -34,8 +34,8 @@ class Stream(Protocol):
     the attention call that follows sees the result. The `fresh` newest tail tokens (this update's) must
     stay in the tail: state entries are visible to every query, so folding them would break causality.
     `observe(query)` receives that call's queries
-    (1, Hq, q, d), for streams that score entries by recent attention. Streams see one sequence: a
-    batch cache refuses them.
+    (1, Hq, q, d), for streams that score entries by recent attention. `attach` takes streams of one
+    sequence; for a batch, kvsum.compress joins the quantizers' per-sequence streams (BatchQuantStream).
     """
 
     def step(self, layer: KVSumLayer, fresh: int) -> None: ...
@@ -131,21 +131,23 @@ class KVSumLayer(DynamicLayer):
             raise KVSumError("cannot crop into the compressed part of a kvsum cache")
         super().crop(tokens_to_remove)
 
-    # beam search and num_return_sequences reorder, repeat and select sequences: the states follow
+    # beam search and num_return_sequences reorder, repeat and select sequences: the states follow. A stream
+    # belongs to one sequence's state (copies share it), so it stops there: later tokens stay in the tail.
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
         if self.state is not None:
-            self.state = _as_batch(self.state).select(beam_idx.tolist())
+            self.state, self.stream = _as_batch(self.state).select(beam_idx.tolist()), None
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
         if self.state is not None:
             self.state = BatchState([s for s in _as_batch(self.state).states for _ in range(repeats)])
+            self.stream = None
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
         if self.state is not None:
-            self.state = _as_batch(self.state).select(torch.as_tensor(indices).tolist())
+            self.state, self.stream = _as_batch(self.state).select(torch.as_tensor(indices).tolist()), None
 
 
 class KVSumSlidingLayer(DynamicSlidingWindowLayer):

@@ -17,6 +17,7 @@ from .cache import Cache, KVSumSlidingLayer
 from .calibrate import layer_rope, rope_of
 from .errors import KVSumError
 from .methods import LayerInput, Method, make_method
+from .methods.quant.stream import BatchQuantStream, QuantStream
 
 
 @dataclass
@@ -319,4 +320,9 @@ def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: fl
     lengths = [T] * B if mask is None else mask.sum(1).tolist()
     caches = [compress_prefill(prefill(model, input_ids[b:b + 1, T - n:], **m.prefill_options()), m, budget,
                                storage_dtype, consume=True) for b, n in enumerate(lengths)]
-    return Cache.stack(caches, T)
+    out = Cache.stack(caches, T)
+    for i, layer in enumerate(out.layers):  # quantizers keep quantizing each sequence's generated tokens
+        streams = [c.layers[i].stream for c in caches]
+        if streams[0] is not None and all(isinstance(st, QuantStream) for st in streams):
+            layer.stream = BatchQuantStream(streams)
+    return out

@@ -225,3 +225,37 @@ def test_failed_decoding_step_leaves_the_cache_as_it_was(tiny, ids):
         with torch.no_grad():
             tiny(ids[:, :2].expand(2, -1), past_key_values=cache)
     assert cache.nbytes() == held and cache.get_seq_length() == seen
+
+
+@pytest.mark.parametrize("method", ["turboquant", "kivi"])
+def test_batch_quantizes_each_sequences_generated_tokens(method):
+    """Streams follow a batch: every sequence's generated tokens are folded into its own quantized state as
+    they arrive (turboquant folds exactly when each sequence alone would, so greedy outputs are equal)."""
+    model = tiny_llama()
+    knobs = dict(bits=4, residual=16) if method == "kivi" else {}
+    lengths = [300, 231, 97]
+    if method == "turboquant":
+        cache, _, _ = _batch_equals_alone(model, method, lengths, budget=0.5, steps=70)
+    else:
+        g = torch.Generator().manual_seed(3)
+        ids, mask = _left_pad([torch.randint(1, 128, (n,), generator=g) for n in lengths])
+        cache = kvsum.compress(model, ids, method=method, budget=0.6, attention_mask=mask, **knobs)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=70,
+                             min_new_tokens=70, do_sample=False)
+        assert out.shape == (3, ids.shape[1] + 70)
+    for layer in cache.layers:
+        assert layer.tail_length() <= 16 + 2 * 32  # folded in groups, whatever each sequence's window
+        coded = [s.parts[1] if method == "turboquant" else s for s in layer.state.states]  # (past 4 exact sinks)
+        folded = layer.offset - max(lengths)
+        assert folded >= 32 and all(c.T == n - 4 * (method == "turboquant") + folded for c, n in zip(coded, lengths))
+
+
+def test_sampled_copies_of_a_quantized_cache_stop_streaming(tiny, ids):
+    """num_return_sequences repeats one sequence's state: its stream cannot serve the copies, so it stops and
+    their generated tokens stay in the tail (before, a shared stream would fold one copy's tokens for all)."""
+    cache = kvsum.compress(tiny, ids, method="turboquant", budget=0.5)
+    cache.batch_repeat_interleave(2)  # transformers leaves a passed cache's expansion to the caller
+    out = tiny.generate(torch.cat([ids, ids[:, :4]], -1), past_key_values=cache, max_new_tokens=40,
+                        min_new_tokens=40, do_sample=True, num_return_sequences=2, top_k=5)
+    assert out.shape == (2, ids.shape[1] + 44)
+    assert all(layer.stream is None and layer.tail_length() == 43 for layer in cache.layers)

@@ -30,20 +30,59 @@ class QuantStream:
     def observe(self, query: Tensor) -> None:
         pass
 
-    def step(self, layer, fresh: int) -> None:
-        pending = self.live.pending() if self.live is not None else 0
-        tail = layer.tail_length()
-        g = self.group
-        # the oldest whole groups beyond the window, never including this update's own tokens
+    def pending(self) -> int:
+        return self.live.pending() if self.live is not None else 0
+
+    def plan(self, tail: int, fresh: int) -> tuple[int, int]:
+        """(tokens to quantize, tokens that leave the tail): the oldest whole groups beyond the window, never
+        including this update's own `fresh` tokens."""
+        pending, g = self.pending(), self.group
         n = min((pending + tail - self.residual) // g, (pending + tail - fresh) // g) * g
+        return (n, max(0, n - pending)) if n > 0 else (0, 0)
+
+    def fold(self, keys: Tensor, values: Tensor, n: int, state):
+        """Append keys/values (H, take, d) and quantize the `n` oldest full-precision tokens; returns the
+        layer's state (a new ConcatState the first time a composed layer folds)."""
+        if self.live is None:
+            self.live = self.new(keys, values)
+            return ConcatState([state, self.live])
+        self.live.extend(keys, values, n)
+        return state
+
+    def step(self, layer, fresh: int) -> None:
+        n, take = self.plan(layer.tail_length(), fresh)
         if n <= 0:
             return
-        take = max(0, n - pending)  # tokens that leave the tail
-        k, v = layer.keys[0, :, :take].float(), layer.values[0, :, :take].float()
-        if self.live is None:
-            self.live = self.new(k, v)
-            layer.state = ConcatState([layer.state, self.live])
-        else:
-            self.live.extend(k, v, n)
-        layer.offset += take
-        layer.keys, layer.values = layer.keys[:, :, take:], layer.values[:, :, take:]
+        layer.state = self.fold(layer.keys[0, :, :take].float(), layer.values[0, :, :take].float(), n, layer.state)
+        trim(layer, take)
+
+
+def trim(layer, take: int) -> None:
+    """Move the `take` oldest tail tokens' accounting into the state."""
+    layer.offset += take
+    layer.keys, layer.values = layer.keys[:, :, take:], layer.values[:, :, take:]
+
+
+class BatchQuantStream:
+    """The QuantStreams of a batch's sequences, one per sequence, over one dense tail.
+
+    The tail is shared, so every sequence folds the same number of tokens: the fewest any sequence's own
+    plan takes (sequences whose windows differ, as KIVI's do with ragged prompts, quantize what whole groups
+    that allows and keep the rest pending)."""
+
+    def __init__(self, streams: list[QuantStream]):
+        self.streams = streams
+
+    def observe(self, query: Tensor) -> None:
+        pass
+
+    def step(self, layer, fresh: int) -> None:
+        tail = layer.tail_length()
+        take = min(s.plan(tail, fresh)[1] for s in self.streams)
+        if take <= 0:
+            return
+        states = layer.state.states
+        for b, s in enumerate(self.streams):
+            n = min(s.plan(tail, fresh)[0], (s.pending() + take) // s.group * s.group)
+            states[b] = s.fold(layer.keys[b, :, :take].float(), layer.values[b, :, :take].float(), n, states[b])
+        trim(layer, take)
