@@ -120,7 +120,7 @@ def part_short(model, tok, args) -> None:
         out += ["", "Policy picks: " + ", ".join(f"{L}: {picks[L]}" for L in Ls if L in picks)]
         return out
 
-    _write("short", rows, lines, args)
+    _write("short", rows, lines, args, merge_key=lambda r: r["length"])
 
 
 # ---------------------------------------------------------------- overhead and scaling
