@@ -60,8 +60,7 @@ class Summary(Method):
     ridge: float = 1.0
     score: str = "hybrid"  # anchor score: "surprisal", or from attention: "sharp_mass", "max", "mass"
     max_refs: int = 384  # reference query rows per KV head used by the fits
-    span: int = 9  # pool the token score over a span of neighbours: facts are spans of tokens
-    span_pool: str = "mean"  # "mean", or "max": a span is as surprising as its most surprising token
+    span: int = 9  # average the token score over a span of neighbours: facts are spans of tokens
     cover_share: float = 0.0  # bytes of the low-rank cover of every non-anchor token (cover.py)
     cover_bits: float = 0  # > 0: the cover is TurboQuant codes of every token at these bits instead
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
@@ -74,8 +73,6 @@ class Summary(Method):
             raise KVSumError("anchor_share + lowrank_share must be at most 1")
         if self.score not in SCORES:
             raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        if self.span_pool not in ("max", "mean"):
-            raise KVSumError(f"span_pool must be 'max' or 'mean', got {self.span_pool!r}")
         if self.key_mode not in ("max", "mean"):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
 
@@ -170,9 +167,7 @@ class Summary(Method):
             raise KVSumError(f"score={self.score!r} needs the prefill's token surprisal (kvsum.prefill computes it)")
         s = x.surprisal.clone()
         s[0] = s[1:].max() if x.T > 1 else 0.0
-        if self.span > 1 and self.span_pool == "max":
-            s = torch.nn.functional.max_pool1d(s[None, None], self.span, 1, self.span // 2)[0, 0, :x.T]
-        elif self.span > 1:
+        if self.span > 1:
             s = torch.nn.functional.avg_pool1d(s[None, None], self.span, 1, self.span // 2,
                                                count_include_pad=False)[0, 0, :x.T]
         return s
