@@ -158,10 +158,10 @@ class TurboQuantState:
     `extend` quantizes decoding-time tokens into the same stores (same rotation, codebooks, channel split)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
-                 path: str, widths: tuple[float, float] | None = None):
+                 path: str, widths: tuple[float, float]):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
-        self.widths = widths or (bits - 1 if qjl else bits, bits)  # (keys' MSE codes, values)
+        self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
         self.extend(keys, values)
