@@ -17,6 +17,7 @@ Results: benchmarks/results/perf_<part>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -78,9 +79,9 @@ def part_short(model, tok, args) -> None:
         ids = torch.cat([ctx, q], -1)
         model.generate(ids, max_new_tokens=2, pad_token_id=tok.eos_token_id)  # warm-up at this length
         full, pol = [], []
-        run_full = lambda ids=ids: model.generate(ids, **gen)  # noqa: E731
-        run_pol = lambda ctx=ctx: kvsum.generate(model, tok, ctx, question, policy=policy,  # noqa: E731
-                                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+        run_full = functools.partial(model.generate, ids, **gen)
+        run_pol = functools.partial(kvsum.generate, model, tok, ctx, question, policy=policy,
+                                    max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         for i in range(args.repeat):  # interleaved, order alternating: a noisy neighbour hits both alike
             for fn, out in ((run_full, full), (run_pol, pol))[:: 1 if i % 2 == 0 else -1]:
                 out.append(_timed(fn)[1])

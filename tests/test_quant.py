@@ -35,7 +35,7 @@ def test_pack_round_trip(bits):
     assert torch.equal(unpack(packed, bits, n).view(3, 7, 5).long(), codes)
     # decoding through the word tables gives levels[code] for every width (3 bits: 12-bit words)
     levels = tuple(float(v) for v in torch.randn(2 ** bits, generator=torch.Generator().manual_seed(9)))
-    assert torch.equal(Packed(codes, bits).lookup(levels), torch.tensor(levels)[codes])
+    assert torch.equal(Packed(codes, bits, levels).lookup(), torch.tensor(levels)[codes])
 
 
 def test_codebook_levels_match_lloyd_max_for_the_beta_law():

@@ -75,7 +75,8 @@ class KIVIState:
         kc, k_scale, k_min = minmax_codes(kq.reshape(H, quantize // g, g, d).transpose(0, 1), 2, self.bits)
         vc, v_scale, v_min = minmax_codes(vq.reshape(H, quantize, d // ch, ch).transpose(0, 1), 3, self.bits)
         if self.k_codes is None:
-            self.k_codes, self.v_codes = Packed(kc, self.bits), Packed(vc, self.bits)
+            levels = _ints(self.bits)
+            self.k_codes, self.v_codes = Packed(kc, self.bits, levels), Packed(vc, self.bits, levels)
             self.k_scale, self.k_min, self.v_scale, self.v_min = k_scale, k_min, v_scale, v_min
         else:
             self.k_codes.append(kc)
@@ -95,11 +96,11 @@ class KIVIState:
 
     def keys(self) -> Tensor:
         """All keys (H, T, d): dequantized codes then the full-precision residual."""
-        k = self.k_codes.lookup(_ints(self.bits)) * self.k_scale.float() + self.k_min.float()  # (G, H, group, d)
+        k = self.k_codes.lookup() * self.k_scale.float() + self.k_min.float()  # (G, H, group, d)
         return torch.cat([k.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.k_res.float()], 1)
 
     def values(self) -> Tensor:
-        v = self.v_codes.lookup(_ints(self.bits)) * self.v_scale.float() + self.v_min.float()  # (n_q, H, d/ch, ch)
+        v = self.v_codes.lookup() * self.v_scale.float() + self.v_min.float()  # (n_q, H, d/ch, ch)
         return torch.cat([v.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.v_res.float()], 1)
 
     def scores(self, q: Tensor, scale: float) -> Tensor:

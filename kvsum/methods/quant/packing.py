@@ -74,27 +74,31 @@ class Packed:
     `append` grows it along its first dimension in place, still one packed store (decoding-time
     quantization appends a group of tokens at a time, so states keep tokens on the first dimension)."""
 
-    def __init__(self, codes: Tensor, bits: int):
-        self.bits, self.shape = bits, tuple(codes.shape)
+    def __init__(self, codes: Tensor, bits: int, levels: tuple[float, ...] | None = None):
+        self.bits, self.shape, self.levels = bits, tuple(codes.shape), levels
         self.data = pack(codes, bits)
+        # the shared word table, resolved once here rather than at every decoding step
+        self.table = level_table(levels, bits, str(self.data.device)) if levels and word_codes(bits) else None
 
     def codes(self) -> Tensor:
         return unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)
 
-    def lookup(self, levels: tuple[float, ...]) -> Tensor:
-        """levels[codes] as float32 in the codes' shape, straight from the packed bytes through `level_table`."""
+    def lookup(self) -> Tensor:
+        """levels[codes] as float32 in the codes' shape (the levels given at construction), straight from the
+        packed bytes through `level_table`."""
+        if self.levels is None:
+            raise ValueError("Packed.lookup needs the codes' levels, given at construction")
         n = math.prod(self.shape)
-        if not word_codes(self.bits):
-            return torch.tensor(levels, device=self.data.device).index_select(0, self.codes().reshape(-1).int()
-                                                                              ).view(self.shape)
+        if self.table is None:
+            return torch.tensor(self.levels, device=self.data.device).index_select(
+                0, self.codes().reshape(-1).int()).view(self.shape)
         if self.bits == 3:  # 8 codes in 3 little-endian bytes: two 12-bit words of 4 codes
             g = self.data.view(-1, 3).int()
             w = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
             words = torch.stack([w & 4095, w >> 12], 1).view(-1)
         else:
             words = self.data.int()
-        table = level_table(levels, self.bits, str(self.data.device))
-        return table.index_select(0, words).view(-1)[:n].view(self.shape)
+        return self.table.index_select(0, words).view(-1)[:n].view(self.shape)
 
     def append(self, codes: Tensor) -> None:
         """Add codes of shape (n, *shape[1:]) after the current ones."""

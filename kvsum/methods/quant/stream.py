@@ -77,12 +77,12 @@ class BatchQuantStream:
         pass
 
     def step(self, layer, fresh: int) -> None:
-        tail = layer.tail_length()
-        take = min(s.plan(tail, fresh)[1] for s in self.streams)
+        plans = [s.plan(layer.tail_length(), fresh) for s in self.streams]
+        take = min(t for _, t in plans)
         if take <= 0:
             return
         states = layer.state.states
-        for b, s in enumerate(self.streams):
-            n = min(s.plan(tail, fresh)[0], (s.pending() + take) // s.group * s.group)
+        for b, (s, (n, _)) in enumerate(zip(self.streams, plans)):
+            n = min(n, (s.pending() + take) // s.group * s.group)
             states[b] = s.fold(layer.keys[b, :, :take].float(), layer.values[b, :, :take].float(), n, states[b])
         trim(layer, take)

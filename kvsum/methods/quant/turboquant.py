@@ -85,7 +85,7 @@ class Coded:
             sub = y if ix is None else y.gather(2, ix.long()[:, None, :].expand(H, n, -1))
             c = encode(sub, levels)
             if codes is None:
-                part[3] = Packed(c.transpose(0, 1), width)
+                part[3] = Packed(c.transpose(0, 1), width, tuple(levels.tolist()))
             else:
                 codes.append(c.transpose(0, 1))
             if ix is None:
@@ -97,7 +97,7 @@ class Coded:
 
     @staticmethod
     def _levels(levels: Tensor, codes: Packed) -> Tensor:
-        return codes.lookup(tuple(levels.tolist())).transpose(0, 1)  # (T, H, c) -> (H, T, c)
+        return codes.lookup().transpose(0, 1)  # (T, H, c) -> (H, T, c)
 
     def lookup(self) -> Tensor:
         """Reconstructed rotated unit directions (H, T, d)."""
@@ -278,20 +278,17 @@ class TurboQuant(Method):
         return first, min(self.window, T - first)
 
     def supported(self) -> list:
-        """The widths in SUPPORTED whose key and value widths (after skew and QJL) are codable."""
-        out = []
-        for b in SUPPORTED:
-            try:
-                self.widths(b)
-                out.append(b)
-            except KVSumError:
-                pass
-        return out
+        """The widths in SUPPORTED that leave the keys at least 1 bit of MSE codes (after skew and QJL)."""
+        return [b for b in SUPPORTED if self._key_bits(b) - self.qjl >= 1]
+
+    def _key_bits(self, bits: float) -> float:
+        """Keys get up to `skew` more than `bits`, as long as neither keys nor values leave 1..4 bits."""
+        return max(bits, min(bits + self.skew, 4, 2 * bits - 1))
 
     def widths(self, bits: float) -> tuple[float, float]:
-        """(keys' MSE code width, values' width), `bits` on average: keys get up to `skew` more, as long as
-        neither leaves 1..4 bits; with QJL one of the keys' bits goes to the sketch."""
-        k = max(bits, min(bits + self.skew, 4, 2 * bits - 1))
+        """(keys' MSE code width, values' width), `bits` on average; with QJL one of the keys' bits goes to
+        the sketch."""
+        k = self._key_bits(bits)
         if k - self.qjl < 1:
             raise KVSumError(f"turboquant: bits={bits} leaves the keys {k - self.qjl} bits of MSE codes with QJL")
         return k - self.qjl, 2 * bits - k
