@@ -1,7 +1,8 @@
 """Quantization family on the bundled model, in parts that each fit a short locked run (--part).
 
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
-             sinks; and without both, as an ablation) and KIVI 4 / 2 bits beside full
+             sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations) and
+             KIVI 4 / 2 bits beside full
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
   lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
@@ -33,7 +34,9 @@ from kvsum.methods.quant.turboquant import PATHS
 
 QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.0]),
          ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
-PLAIN = [("turboquant", {"bits": b, "skew": 0, "sinks": 0}, [1.0]) for b in (3.5, 2.5)]  # ablation: no skew/sinks
+NOSHIFT = [("turboquant", {"bits": b, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]  # ablation: same key bits per layer
+# ablation: the layout alone (no key/value skew, exact sinks or key shift)
+PLAIN = [("turboquant", {"bits": b, "skew": 0, "sinks": 0, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
@@ -100,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.part == "decode":
         return decode(model, tok, args)
     if args.part == "retrieval":
-        rows = run(model, tok, args.tasks, ["full", *QUANT, *PLAIN], [1.0], [args.length], args.n, args.seed)
+        rows = run(model, tok, args.tasks, ["full", *QUANT, *NOSHIFT, *PLAIN], [1.0], [args.length], args.n, args.seed)
     else:
         compose = COMPOSE if args.compose_bits is None else COMPOSE[:1] + [
             ("summary+turboquant", {"bits": b}, [TINY]) for b in args.compose_bits] + COMPOSE[2:]
-        rows = run(model, tok, "lm", ["full", *([] if args.no_quant else QUANT + PLAIN), *compose], [1.0],
+        rows = run(model, tok, "lm", ["full", *([] if args.no_quant else QUANT + NOSHIFT + PLAIN), *compose], [1.0],
                    [args.lm_length], args.n, args.seed)
     finish(rows, args, t0)
 

@@ -240,7 +240,8 @@ def test_decoded_tokens_are_quantized_in_groups(method, knobs):
     assert cache.get_seq_length() == 500
     H, d = 2, 16
     if method == "turboquant":  # the state is exactly a prompt-time state of all its tokens
-        assert cache.layers[0].state.nbytes() == m.nbytes(H, cache.layers[0].offset, d, knobs["bits"])
+        shift = cache.layers[0].state.widths[0] - m.widths(knobs["bits"])[0]  # key bits by layer entropy
+        assert cache.layers[0].state.nbytes() == m.nbytes(H, cache.layers[0].offset, d, knobs["bits"], shift)
     # memory grows by the quantized size: per decoded token well under the 2 x H x d fp16 elements
     tail = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers) * 4  # fp32 model
     grown = (cache.nbytes() - tail - start) / (2 * 200)  # per token per layer
@@ -300,3 +301,24 @@ def test_turboquant_with_exact_tokens_streams_decoded_tokens_into_its_codes():
     _stepwise(model, cache, ids[:, 300:])
     assert coded.T == 300 - 20 + 100 - cache.layers[0].tail_length()  # decoded tokens joined the codes
     assert cache.layers[0].tail_length() <= 32
+
+
+def test_turboquant_key_shift_widens_the_keys_of_sharp_layers():
+    H, T, d = 2, 300, 16
+    sharp, diffuse = _layer(H, T, d, seed=1), _layer(H, T, d, seed=2)
+    sharp.layer_idx, diffuse.layer_idx = 0, 1
+    pos = torch.arange(T - 8, T)
+    for x, q in ((sharp, 6 * sharp.keys[:, 10:11].expand(H, 8, d)), (diffuse, torch.zeros(H, 8, d))):
+        x.queries, x.query_pos = q.clone(), pos  # the sharp layer's queries all point at token 10
+    m = make_method("turboquant", bits=3.5, sinks=0)
+    assert m.layer_budgets([diffuse, sharp], 1.0) == [1.0, 1.0]
+    states = [m.compress(x) for x in (sharp, diffuse)]
+    assert [s.widths for s in states] == [(5, 3), (3, 3)]  # keys 4 +- 1, values untouched
+    # the two layers hold what two unshifted layers would (but for the codebooks' sizes): the average is kept
+    assert sum(s.nbytes() for s in states) == m.nbytes(H, T, d, 3.5, 1) + m.nbytes(H, T, d, 3.5, -1)
+    assert abs(sum(s.nbytes() for s in states) - 2 * m.nbytes(H, T, d, 3.5)) <= 4 * (2 ** 5 + 2 ** 3 - 2 * 2 ** 4)
+    # no queries (or key_shift=0): no shift; a shift that would leave 1..8 bits is dropped
+    assert make_method("turboquant", bits=3.5, sinks=0, key_shift=0).compress(sharp).widths == (4, 3)
+    assert m.widths(1, 1) == (1, 1) and m.widths(4, -1) == (3, 4)
+    with pytest.raises(kvsum.KVSumError, match="key_shift must be an integer >= 0"):
+        make_method("turboquant", key_shift=-1)

@@ -52,8 +52,9 @@ def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
 
 
 def word_codes(bits: int) -> int:
-    """Codes per lookup word: a byte for widths that divide 8, 12 bits (4 codes) for 3 bits; 0: no table."""
-    return 8 // bits if 8 % bits == 0 else 4 if bits == 3 else 0
+    """Codes per lookup word: a byte for widths that divide 8; otherwise the most codes (a divisor of 8) in
+    at most 12 bits, so that tables stay small: 4 codes at 3 bits, 2 at 5 and 6, 1 at 7."""
+    return 8 // bits if 8 % bits == 0 else max(k for k in (1, 2, 4) if k * bits <= 12)
 
 
 @functools.lru_cache(maxsize=32)
@@ -61,7 +62,7 @@ def level_table(levels: tuple[float, ...], bits: int, device: str = "cpu") -> Te
     """(2**(k*bits), k) float32: the levels of the k codes one lookup word holds, for every word value.
 
     One table per (levels, bits) per process, shared by every layer and cache like the codebooks it is built
-    from (2 KiB at 4 bits, 64 KiB at 3); decoding then reads one row per word instead of unpacking codes."""
+    from (2 KiB at 4 bits, 64 KiB at 3, 8 KiB at 5); decoding then reads one row per word instead of unpacking codes."""
     k = word_codes(bits)
     word = torch.arange(2 ** (k * bits))
     lv = torch.tensor(levels, dtype=torch.float32)
@@ -78,7 +79,7 @@ class Packed:
         self.bits, self.shape, self.levels = bits, tuple(codes.shape), levels
         self.data = pack(codes, bits)
         # the shared word table, resolved once here rather than at every decoding step
-        self.table = level_table(levels, bits, str(self.data.device)) if levels and word_codes(bits) else None
+        self.table = level_table(levels, bits, str(self.data.device)) if levels else None
 
     def codes(self) -> Tensor:
         return unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)
@@ -89,13 +90,14 @@ class Packed:
         if self.levels is None:
             raise ValueError("Packed.lookup needs the codes' levels, given at construction")
         n = math.prod(self.shape)
-        if self.table is None:
-            return torch.tensor(self.levels, device=self.data.device).index_select(
-                0, self.codes().reshape(-1).int()).view(self.shape)
-        if self.bits == 3:  # 8 codes in 3 little-endian bytes: two 12-bit words of 4 codes
-            g = self.data.view(-1, 3).int()
-            w = g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16)
-            words = torch.stack([w & 4095, w >> 12], 1).view(-1)
+        b, k = self.bits, word_codes(self.bits)
+        if 8 % b:  # 8 codes in b little-endian bytes, read as 8 / k words of k codes, each from <= 2 bytes
+            g, kb, words = self.data.view(-1, b).int(), k * b, []
+            for start in range(0, 8 * b, kb):
+                a, end = start // 8, (start + kb - 1) // 8
+                w = g[:, a] if end == a else g[:, a] | (g[:, end] << 8)
+                words.append((w >> (start - 8 * a)) & ((1 << kb) - 1))
+            words = torch.stack(words, 1).view(-1)
         else:
             words = self.data.int()
         return self.table.index_select(0, words).view(-1)[:n].view(self.shape)

@@ -26,6 +26,7 @@ from torch import Tensor
 from ...errors import KVSumError
 from ...state import ConcatState, tensor_bytes
 from ..base import LayerInput, Method, register
+from ..summary.fit import head_diffuseness
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
 from .stream import QuantStream
@@ -251,10 +252,14 @@ class TurboQuant(Method):
     at 3; both stay within 1..4): retrieval hinges on the keys' logits. During decoding, generated tokens are
     quantized `group` at a time once more than `residual` + `group` of them are held in full precision. The
     first `sinks` and the last `window` prompt tokens stay exact (in the storage dtype, counted in the budget):
-    attention sinks draw most of the mass, so their code error moves every logit."""
+    attention sinks draw most of the mass, so their code error moves every logit. `key_shift` moves key bits
+    between layers by attention entropy (the prompt's reference queries): the sharpest half of the layers gets
+    keys `key_shift` bits wider, the most diffuse half as much narrower, so the average is unchanged. A sharp
+    head picks one key among thousands, and code noise on every distractor's logit is what flips it."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
+    needs_queries = True  # for key_shift only: the layers' attention entropy
     bits: float | None = None
     qjl: bool = False
     seed: int = 0
@@ -264,8 +269,10 @@ class TurboQuant(Method):
     residual: int = 0
     sinks: int = 4
     window: int = 0
+    key_shift: int = 1
 
     def __post_init__(self):
+        self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
         if self.path not in PATHS:
             raise KVSumError(f"turboquant: path={self.path!r}; accepted: {', '.join(PATHS)}")
         if self.group < 1 or self.residual < 0:
@@ -285,38 +292,55 @@ class TurboQuant(Method):
         """Keys get up to `skew` more than `bits`, as long as neither keys nor values leave 1..4 bits."""
         return max(bits, min(bits + self.skew, 4, 2 * bits - 1))
 
-    def widths(self, bits: float) -> tuple[float, float]:
+    def widths(self, bits: float, shift: int = 0) -> tuple[float, float]:
         """(keys' MSE code width, values' width), `bits` on average; with QJL one of the keys' bits goes to
-        the sketch."""
-        k = self._key_bits(bits)
-        if k - self.qjl < 1:
-            raise KVSumError(f"turboquant: bits={bits} leaves the keys {k - self.qjl} bits of MSE codes with QJL")
-        return k - self.qjl, 2 * bits - k
+        the sketch; `shift` more key bits in this layer (less where negative; 0 where either side would leave
+        1..8 bits)."""
+        k = self._key_bits(bits) - self.qjl
+        if k < 1:
+            raise KVSumError(f"turboquant: bits={bits} leaves the keys {k} bits of MSE codes with QJL")
+        if not (1 <= k - abs(shift) and k + abs(shift) <= 8):
+            shift = 0
+        return k + shift, 2 * bits - k - self.qjl
 
-    def nbytes(self, H: int, T: int, d: int, bits: float) -> int:
-        """Exactly what a state of (H, T, d) keys and values at `bits` holds."""
-        n = sum(coded_nbytes(H, T, d, w) for w in self.widths(bits))
+    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        """Equal bytes per layer; ranks the layers by attention entropy for `key_shift` (see the class)."""
+        self._shift = {}
+        if self.key_shift and len(inputs) > 1 and all(x.queries is not None for x in inputs):
+            order = torch.stack([head_diffuseness(x).mean() for x in inputs]).argsort().tolist()
+            n = len(inputs) // 2  # with an odd count the median layer keeps its width
+            for rank, i in enumerate(order):
+                self._shift[inputs[i].layer_idx] = self.key_shift * ((rank < n) - (rank >= len(inputs) - n))
+        return [budget] * len(inputs)
+
+    def nbytes(self, H: int, T: int, d: int, bits: float, shift: int = 0) -> int:
+        """Exactly what a state of (H, T, d) keys and values at `bits` (keys shifted by `shift`) holds."""
+        n = sum(coded_nbytes(H, T, d, w) for w in self.widths(bits, shift))
         n += 2 * H * T * 2 + d * d * 2  # fp16 norms, fp16 rotation
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         return n
 
-    def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int) -> TurboQuantState:
-        """The state of keys and values (H, T, d) fp32 at `bits`, with layer `layer_idx`'s rotation."""
+    def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int, shift: int = 0) -> TurboQuantState:
+        """The state of keys and values (H, T, d) fp32 at `bits` (keys shifted by `shift` bits), with layer
+        `layer_idx`'s rotation."""
         seed = self.seed * 1_000_003 + 2 * layer_idx
         R = rotation(keys.shape[-1], seed).to(torch.float16).to(keys.device)
         S = gaussian(keys.shape[-1], seed + 1).to(torch.float16).to(keys.device) if self.qjl else None
-        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, self.widths(bits))
+        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, self.widths(bits, shift))
 
     def compress(self, x: LayerInput) -> TurboQuantState | ConcatState:
         full = 2 * x.H * x.T * x.d * 2
         first, last = self._exact(x.T)
         n_q, exact = x.T - first - last, (first + last) * x.H * x.entry_bytes()
+        shift = self._shift.get(x.layer_idx, 0)
+        s = abs(shift)  # the layers' shifts cancel: the budget holds the mean of a widened and a narrowed layer
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
-                         lambda b: self.nbytes(x.H, n_q, x.d, b) + exact, x.budget_bytes, full)
+                         lambda b: (self.nbytes(x.H, n_q, x.d, b, s) + self.nbytes(x.H, n_q, x.d, b, -s)) // 2 + exact,
+                         x.budget_bytes, full)
         if not first + last:
-            return self.build(x.keys, x.values, bits, x.layer_idx)
-        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx)
+            return self.build(x.keys, x.values, bits, x.layer_idx, shift)
+        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift)
         exact = [x.keep([torch.arange(a, b, device=x.keys.device)] * x.H) if b > a else None
                  for a, b in ((0, first), (x.T - last, x.T))]
         return ConcatState([exact[0], coded, exact[1]])  # in position order
