@@ -2,10 +2,11 @@
 
 Eviction loses query-agnostic retrieval outright; the cover variants keep every token approximately:
 `cover_share` as low-rank factors on the prompt's own bases, `cover_bits` as TurboQuant codes (anchors stay
-exact in both); `summary+turboquant` stores what summary keeps as TurboQuant codes (~5x the entries), beside
-`snapkv+turboquant` on the same bytes. Passkey and multi-key retrieval at 2k tokens and language-model
-fidelity, budgets 0.25 and 0.125. Writes benchmarks/results/summary_cover.{json,md}; about 20 minutes on 2
-cores with the defaults.
+exact in both; the codes' keys get a bit more in the sharpest half of the layers and a bit less in the
+rest; anchors picked by the default hybrid score or by surprisal alone); `summary+turboquant` stores what
+summary keeps as TurboQuant codes (~5x the entries), beside `snapkv+turboquant` on the same bytes. Passkey
+and multi-key retrieval at 2k tokens and language-model fidelity, budgets 0.25 and 0.125. Writes
+benchmarks/results/summary_cover.{json,md}; about 20 minutes on 2 cores with the defaults.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ METHODS = [
     ("summary", {}, [0.25, 0.125]),
     ("summary", dict(cover_share=0.75), [0.25, 0.125]),
     ("summary", dict(cover_bits=3), [0.25]),
+    ("summary", dict(cover_bits=3, score="surprisal"), [0.25]),
     ("summary", dict(cover_bits=1), [0.125]),
     ("summary+turboquant", {}, [0.25, 0.125]),
     ("restkv", {}, [0.25, 0.125]),

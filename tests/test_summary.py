@@ -182,6 +182,15 @@ def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
     assert out.shape[1] == ids.shape[1] + 8
 
 
+def test_code_cover_widens_keys_in_sharp_layers(tiny, ids):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2)
+    covers = [layer.state.parts[1].inner for layer in cache.layers]  # ConcatState([anchors, MaskedState])
+    assert sorted(c.widths[0] for c in covers) == [1.5, 3.5]  # keys 2.5 +- 1 (2 layers), values 1.5
+    assert {c.widths[1] for c in covers} == {1.5}
+    flat = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2, entropy_allocation=False)
+    assert {layer.state.parts[1].inner.widths for layer in flat.layers} == {(2.5, 1.5)}
+
+
 def test_cover_beyond_the_budget_is_a_clear_error(tiny, ids):
     with pytest.raises(kvsum.KVSumError, match="cover"):
         kvsum.compress(tiny, ids, method="summary", budget=0.1, cover_bits=2)

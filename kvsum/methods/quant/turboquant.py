@@ -153,6 +153,14 @@ def qjl_estimate(q: Tensor, signs: Tensor, r_norm: Tensor, S: Tensor) -> Tensor:
     return math.sqrt(math.pi / 2) / S.shape[0] * (q @ S.t()) @ pm.transpose(-1, -2) * r_norm.unsqueeze(-2)
 
 
+def key_shifts(diffuseness: dict[int, float], shift: int) -> dict[int, int]:
+    """Layer index -> key bits moved to it: +shift for the sharpest half of the layers (lowest attention
+    entropy), -shift for the most diffuse half; with an odd count the median layer keeps its width."""
+    order = sorted(diffuseness, key=diffuseness.get)
+    n = len(order) // 2
+    return {i: shift * ((rank < n) - (rank >= len(order) - n)) for rank, i in enumerate(order)}
+
+
 class TurboQuantState:
     """A layer's keys and values as rotated Lloyd-Max codes, fp16 norms (and a QJL sketch of the key residuals).
 
@@ -306,12 +314,14 @@ class TurboQuant(Method):
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         """Equal bytes per layer; ranks the layers by attention entropy for `key_shift` (see the class)."""
         self._shift = {}
-        if self.key_shift and len(inputs) > 1 and all(x.queries is not None for x in inputs):
-            order = torch.stack([head_diffuseness(x).mean() for x in inputs]).argsort().tolist()
-            n = len(inputs) // 2  # with an odd count the median layer keeps its width
-            for rank, i in enumerate(order):
-                self._shift[inputs[i].layer_idx] = self.key_shift * ((rank < n) - (rank >= len(inputs) - n))
+        if self.key_shift and all(x.queries is not None for x in inputs):
+            self._shift = key_shifts({x.layer_idx: float(head_diffuseness(x).mean()) for x in inputs}, self.key_shift)
         return [budget] * len(inputs)
+
+    def shifted_nbytes(self, H: int, T: int, d: int, bits: float, shift: int) -> int:
+        """What a layer shifted by +-`shift` is charged: the mean of a widened and a narrowed layer's bytes, so
+        that the layers' budgets add up while their states differ."""
+        return (self.nbytes(H, T, d, bits, abs(shift)) + self.nbytes(H, T, d, bits, -abs(shift))) // 2
 
     def nbytes(self, H: int, T: int, d: int, bits: float, shift: int = 0) -> int:
         """Exactly what a state of (H, T, d) keys and values at `bits` (keys shifted by `shift`) holds."""
@@ -334,10 +344,8 @@ class TurboQuant(Method):
         first, last = self._exact(x.T)
         n_q, exact = x.T - first - last, (first + last) * x.H * x.entry_bytes()
         shift = self._shift.get(x.layer_idx, 0)
-        s = abs(shift)  # the layers' shifts cancel: the budget holds the mean of a widened and a narrowed layer
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
-                         lambda b: (self.nbytes(x.H, n_q, x.d, b, s) + self.nbytes(x.H, n_q, x.d, b, -s)) // 2 + exact,
-                         x.budget_bytes, full)
+                         lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full)
         if not first + last:
             return self.build(x.keys, x.values, bits, x.layer_idx, shift)
         coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift)

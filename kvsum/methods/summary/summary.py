@@ -20,7 +20,7 @@ import torch
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..base import LayerInput, Method, register
-from ..quant.turboquant import TurboQuant
+from ..quant.turboquant import TurboQuant, key_shifts
 from .cover import CoverState, MaskedState, cover_bytes
 from .fit import (
     causal_logits,
@@ -66,6 +66,7 @@ class Summary(Method):
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
+        self._shift = {}  # layer index -> key bits moved to its cover (layer_budgets fills it per prompt)
         for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
@@ -80,10 +81,13 @@ class Summary(Method):
         return {"surprisal": self.score in ("hybrid", "surprisal"), "repeat": self.score == "repeat"}
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        self._shift = {}
         if not self.entropy_allocation:
             self._diffuse = None
             return [budget] * len(inputs)
         self._diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
+        if self.cover_bits:  # the cover's keys get a bit more in sharp layers, less in diffuse (TurboQuant)
+            self._shift = key_shifts({i: float(v.mean()) for i, v in self._diffuse.items()}, 1)
         weight = torch.stack([self._diffuse[x.layer_idx].mean() for x in inputs])
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
         w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
@@ -125,9 +129,9 @@ class Summary(Method):
     def _cover(self, x: LayerInput, elem: int):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover."""
         if self.cover_bits:
-            tq = TurboQuant(bits=self.cover_bits)
-            return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx), ex),
-                    tq.nbytes(x.H, x.T, x.d, self.cover_bits) + x.H * x.T)
+            tq, shift = TurboQuant(bits=self.cover_bits), self._shift.get(x.layer_idx, 0)
+            return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx, shift), ex),
+                    tq.shifted_nbytes(x.H, x.T, x.d, self.cover_bits, shift) + x.H * x.T)
         if self.cover_share > 0:
             n = x.H * x.d
             budget = int(x.budget_bytes * self.cover_share)
