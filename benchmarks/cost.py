@@ -9,6 +9,7 @@ benchmarks/results/cost.{json,md}.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import time
@@ -20,6 +21,19 @@ import kvsum
 from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
 from kvsum.methods.base import make_method
+
+
+def spec(text: str):
+    """A method given as `name` or `name:knob=value,knob=value` (values as Python literals, else strings)."""
+    name, _, rest = text.partition(":")
+    knobs = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            knobs[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            knobs[k] = v
+    return make_method(name, **knobs)
 
 
 def _timed(fn, repeat: int = 1):
@@ -47,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=0.25)
-    ap.add_argument("--methods", nargs="+", default=["summary", "hae", "streaming_llm", "snapkv", "restkv"])
+    ap.add_argument("--methods", nargs="+", default=["summary", "hae", "streaming_llm", "snapkv", "restkv"],
+                    help="names, or name:knob=value,... (e.g. summary:cover_bits=3,score=surprisal)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost"))
@@ -58,14 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     ctx, token = ex.context_ids, ex.question_ids[:, :1]
     kvsum.prefill(model, ctx[:, :256])  # warm-up
     _, plain = _timed(lambda: kvsum.prefill(model, ctx), repeat=2)
-    extras = {k: v for m in args.methods for k, v in make_method(m).prefill_options().items() if v}
+    methods = {m: spec(m) for m in args.methods}
+    extras = {k: v for m in methods.values() for k, v in m.prefill_options().items() if v}
     pre, full_prefill = _timed(lambda: kvsum.prefill(model, ctx, **extras), repeat=1)
     full_step = decode_step(model, kvsum.compress_prefill(pre, make_method("full"), 1.0), token, args.steps)
     rows = []
-    for name in args.methods:
-        cache, t_compress = _timed(lambda n=name: kvsum.compress_prefill(pre, make_method(n), args.budget))
+    for name, m in methods.items():
+        cache, t_compress = _timed(lambda m=m: kvsum.compress_prefill(pre, m, args.budget))
         # the extra prefill work (surprisal) is charged to the methods that ask for it
-        extra = max(full_prefill - plain, 0.0) if any(make_method(name).prefill_options().values()) else 0.0
+        extra = max(full_prefill - plain, 0.0) if any(m.prefill_options().values()) else 0.0
         ratio = cache.nbytes() / cache.reference_nbytes  # right after compression, before decoding grows it
         step = decode_step(model, cache, token, args.steps)
         rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,
