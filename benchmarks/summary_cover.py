@@ -11,7 +11,7 @@ benchmarks/results/summary_cover.{json,md}; about 20 minutes on 2 cores with the
 
 from __future__ import annotations
 
-from common import arguments, finish, start
+from common import RESULTS, arguments, finish, start
 
 from kvsum.eval import run
 
@@ -33,9 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = arguments(__doc__, "summary_cover", threads=2)
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--n-lm", type=int, default=3)
+    ap.add_argument("--lm-only", action="store_true", help="only the lm rows (default out: summary_cover_lm)")
     args = ap.parse_args(argv)
+    if args.lm_only and args.out == str(RESULTS / "summary_cover"):
+        args.out = str(RESULTS / "summary_cover_lm")
     model, tok, t0 = start(args)
-    rows = run(model, tok, ["passkey", "multikey"], METHODS, [], [2048], args.n)
+    rows = [] if args.lm_only else run(model, tok, ["passkey", "multikey"], METHODS, [], [2048], args.n)
     rows += run(model, tok, "lm", METHODS, [], [1536], args.n_lm)
     finish(rows, args, t0)
 
