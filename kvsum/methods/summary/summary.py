@@ -86,9 +86,10 @@ class Summary(Method):
             self._diffuse = None
             return [budget] * len(inputs)
         self._diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
+        means = {i: float(v.mean()) for i, v in self._diffuse.items()}
         if self.cover_bits:  # the cover's keys get a bit more in sharp layers, less in diffuse (TurboQuant)
-            self._shift = key_shifts({i: float(v.mean()) for i, v in self._diffuse.items()}, 1)
-        weight = torch.stack([self._diffuse[x.layer_idx].mean() for x in inputs])
+            self._shift = key_shifts(means, 1)
+        weight = torch.tensor([means[x.layer_idx] for x in inputs])
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
         w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
         x = inputs[0]  # the cover costs every layer the same; only the anchors' bytes are spread
