@@ -1,15 +1,16 @@
 """Quantization family on the bundled model, in parts that each fit a short locked run (--part).
 
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
-             sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations) and
-             KIVI 4 / 2 bits beside full
+             sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
+             with key_basis="pca") and KIVI 4 / 2 bits beside full (--groups picks rows)
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
   lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
              summary+turboquant vs summary vs turboquant (TurboQuant alone cannot go below 1 bit plus
              its fp16 norms, ~0.083 at head dim 64: its 1-bit row is the closest it gets);
   decode:    decode-step time over the quantized cache vs the full cache, both TurboQuant attention paths
-             at 4 / 3.5 / 2.5 / 2 bits and KIVI 4 / 2 bits, as ratios measured in one run, interleaved.
+             at 4 / 3.5 / 2.5 / 2 bits (and pca keys at 3.5 / 2.5) and KIVI 4 / 2 bits, as ratios measured
+             in one run, interleaved.
 Decoded tokens are quantized by the methods' streams (kvsum.compress attaches them) in every part.
 Writes benchmarks/results/quant_<part>.{json,md}.
 """
@@ -37,6 +38,9 @@ QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.
 NOSHIFT = [("turboquant", {"bits": b, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]  # ablation: same key bits per layer
 # ablation: the layout alone (no key/value skew, exact sinks or key shift)
 PLAIN = [("turboquant", {"bits": b, "skew": 0, "sinks": 0, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]
+# keys as query-weighted transform codes in the bytes random-rotation keys and their norms take
+PCA = [("turboquant", {"bits": b, "key_basis": "pca"}, [1.0]) for b in (3.5, 2.5)]
+GROUPS = {"quant": QUANT, "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
@@ -49,6 +53,7 @@ def decode(model, tok, args) -> None:
     ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     pre = kvsum.prefill(model, ctx)
     configs = [("full", {}), *[("turboquant", {"bits": b, "path": p}) for b in (4, 3.5, 2.5, 2) for p in PATHS],
+               *[("turboquant", {"bits": b, "key_basis": "pca"}) for b in (3.5, 2.5)],
                ("kivi", {"bits": 4}), ("kivi", {"bits": 2})]
     times = {i: [] for i in range(len(configs))}
     ratio = {}
@@ -94,20 +99,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compose-bits", type=float, nargs="*", default=None,
                     help="lm: summary+turboquant at these bit widths (default: its default width)")
     ap.add_argument("--no-quant", action="store_true", help="lm: only the budget-0.0625 comparison")
+    ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS),
+                    help="retrieval / lm: which quantizer rows run beside full")
     ap.add_argument("--steps", type=int, default=40, help="decode: tokens decoded per round")
     ap.add_argument("--repeats", type=int, default=3, help="decode: interleaved rounds")
     args = ap.parse_args(argv)
     if args.out == str(RESULTS / "quant"):
         args.out = str(RESULTS / f"quant_{args.part}")
     model, tok, t0 = start(args)
+    quant = [row for g in args.groups for row in GROUPS[g]]
     if args.part == "decode":
         return decode(model, tok, args)
     if args.part == "retrieval":
-        rows = run(model, tok, args.tasks, ["full", *QUANT, *NOSHIFT, *PLAIN], [1.0], [args.length], args.n, args.seed)
+        rows = run(model, tok, args.tasks, ["full", *quant], [1.0], [args.length], args.n, args.seed)
     else:
         compose = COMPOSE if args.compose_bits is None else COMPOSE[:1] + [
             ("summary+turboquant", {"bits": b}, [TINY]) for b in args.compose_bits] + COMPOSE[2:]
-        rows = run(model, tok, "lm", ["full", *([] if args.no_quant else QUANT + NOSHIFT + PLAIN), *compose], [1.0],
+        rows = run(model, tok, "lm", ["full", *([] if args.no_quant else quant), *compose], [1.0],
                    [args.lm_length], args.n, args.seed)
     finish(rows, args, t0)
 

@@ -29,10 +29,12 @@ from ..base import LayerInput, Method, register
 from ..summary.fit import head_diffuseness
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
+from .pca import KeyTransform, key_bits_per_token
 from .stream import QuantStream
 
 SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
 PATHS = ("rotated", "dequant")
+KEY_BASES = ("random", "pca")
 
 
 def gaussian(d: int, seed: int) -> Tensor:
@@ -167,9 +169,10 @@ class TurboQuantState:
     `extend` quantizes decoding-time tokens into the same stores (same rotation, codebooks, channel split)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
-                 path: str, widths: tuple[float, float]):
+                 path: str, widths: tuple[float, float], key_transform: tuple[Tensor | None, int] | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
+        self.key_transform = key_transform  # (queries, code bits per token): keys as KeyTransform codes instead
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
@@ -185,8 +188,17 @@ class TurboQuantState:
         if quantize is not None and quantize != n:
             raise ValueError("turboquant quantizes every appended token")
         Rf = self.R.float()
-        yk, k_norm = self._directions(keys, Rf)
         yv, v_norm = self._directions(values, Rf)
+        self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
+        self.T += n
+        if self.key_transform is not None:
+            if self.v is None:
+                self.k, self.v = KeyTransform(keys, *self.key_transform), Coded(yv, self.widths[1])
+            else:
+                self.k.extend(keys)
+                self.v.extend(yv)
+            return
+        yk, k_norm = self._directions(keys, Rf)
         if self.k is None:
             self.k, self.v = Coded(yk, self.widths[0]), Coded(yv, self.widths[1])
             k_hat = self.k.lookup()
@@ -194,7 +206,6 @@ class TurboQuantState:
             k_hat = self.k.extend(yk)
             self.v.extend(yv)
         self.k_norm = k_norm if self.k_norm is None else torch.cat([self.k_norm, k_norm], 1)
-        self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
         if self.qjl:
             resid = keys @ Rf.t() - k_norm.float()[..., None] * k_hat  # in the rotated basis
             signs, r_norm = qjl_encode(resid, self.S.float())
@@ -204,7 +215,6 @@ class TurboQuantState:
             else:
                 self.signs.append(signs)
                 self.r_norm = torch.cat([self.r_norm, r_norm.half()], 1)
-        self.T += n
 
     @staticmethod
     def _directions(x: Tensor, Rf: Tensor) -> tuple[Tensor, Tensor]:
@@ -228,6 +238,8 @@ class TurboQuantState:
 
     def keys(self) -> Tensor:
         """Dequantized keys (H, T, d) in the original basis."""
+        if self.key_transform is not None:
+            return self.k.keys()
         k = self.k_norm.float()[..., None] * self.k.lookup()
         if self.signs is not None:
             k = k + self._qjl_keys()
@@ -239,6 +251,8 @@ class TurboQuantState:
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.path == "dequant":
             return q @ self.keys().transpose(-1, -2) * scale
+        if self.key_transform is not None:
+            return self.k.scores(q) * scale
         qr = q @ self.R.float().t()
         s = self.k.dot(qr) * self.k_norm.float()[None, :, None, :]
         if self.signs is not None:
@@ -263,11 +277,14 @@ class TurboQuant(Method):
     attention sinks draw most of the mass, so their code error moves every logit. `key_shift` moves key bits
     between layers by attention entropy (the prompt's reference queries): the sharpest half of the layers gets
     keys `key_shift` bits wider, the most diffuse half as much narrower, so the average is unchanged. A sharp
-    head picks one key among thousands, and code noise on every distractor's logit is what flips it."""
+    head picks one key among thousands, and code noise on every distractor's logit is what flips it.
+    `key_basis="pca"` codes keys on each head's own principal axes instead, with bits spread over the axes
+    by the reference queries (pca.py), in the bytes the random-rotation keys and their norms would take;
+    values keep the rotation. Its allocation follows the queries within each layer, so the key shift is off."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
-    needs_queries = True  # for key_shift only: the layers' attention entropy
+    needs_queries = True  # for key_shift (the layers' attention entropy) and key_basis="pca" (its weights)
     bits: float | None = None
     qjl: bool = False
     seed: int = 0
@@ -278,9 +295,14 @@ class TurboQuant(Method):
     sinks: int = 4
     window: int = 0
     key_shift: int = 1
+    key_basis: str = "random"
 
     def __post_init__(self):
         self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
+        if self.key_basis not in KEY_BASES:
+            raise KVSumError(f"turboquant: key_basis={self.key_basis!r}; accepted: {', '.join(KEY_BASES)}")
+        if self.key_basis == "pca" and self.qjl:
+            raise KVSumError("turboquant: key_basis='pca' codes keys without QJL; pick one")
         if self.path not in PATHS:
             raise KVSumError(f"turboquant: path={self.path!r}; accepted: {', '.join(PATHS)}")
         if self.group < 1 or self.residual < 0:
@@ -314,7 +336,7 @@ class TurboQuant(Method):
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         """Equal bytes per layer; ranks the layers by attention entropy for `key_shift` (see the class)."""
         self._shift = {}
-        if self.key_shift and all(x.queries is not None for x in inputs):
+        if self.key_shift and self.key_basis == "random" and all(x.queries is not None for x in inputs):
             self._shift = key_shifts({x.layer_idx: float(head_diffuseness(x).mean()) for x in inputs}, self.key_shift)
         return [budget] * len(inputs)
 
@@ -324,20 +346,27 @@ class TurboQuant(Method):
         return (self.nbytes(H, T, d, bits, abs(shift)) + self.nbytes(H, T, d, bits, -abs(shift))) // 2
 
     def nbytes(self, H: int, T: int, d: int, bits: float, shift: int = 0) -> int:
-        """Exactly what a state of (H, T, d) keys and values at `bits` (keys shifted by `shift`) holds."""
+        """Exactly what a state of (H, T, d) keys and values at `bits` (keys shifted by `shift`) holds (at most
+        that with key_basis="pca")."""
         n = sum(coded_nbytes(H, T, d, w) for w in self.widths(bits, shift))
         n += 2 * H * T * 2 + d * d * 2  # fp16 norms, fp16 rotation
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         return n
 
-    def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int, shift: int = 0) -> TurboQuantState:
+    def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int, shift: int = 0,
+              queries: Tensor | None = None) -> TurboQuantState:
         """The state of keys and values (H, T, d) fp32 at `bits` (keys shifted by `shift` bits), with layer
-        `layer_idx`'s rotation."""
+        `layer_idx`'s rotation; with key_basis="pca", keys get the bytes random-rotation keys and their norms
+        would hold, as transform codes weighted by `queries` (H, M, d) (uniformly without)."""
         seed = self.seed * 1_000_003 + 2 * layer_idx
         R = rotation(keys.shape[-1], seed).to(torch.float16).to(keys.device)
         S = gaussian(keys.shape[-1], seed + 1).to(torch.float16).to(keys.device) if self.qjl else None
-        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, self.widths(bits, shift))
+        widths, kt = self.widths(bits, shift), None
+        if self.key_basis == "pca":
+            H, T, d = keys.shape
+            kt = (queries, key_bits_per_token(coded_nbytes(H, T, d, widths[0]) + H * T * 2, H, T, d))
+        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, kt)
 
     def compress(self, x: LayerInput) -> TurboQuantState | ConcatState:
         full = 2 * x.H * x.T * x.d * 2
@@ -346,9 +375,12 @@ class TurboQuant(Method):
         shift = self._shift.get(x.layer_idx, 0)
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
                          lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full)
+        q = None
+        if self.key_basis == "pca" and x.queries is not None:  # each KV head's reference queries
+            q = x.queries.reshape(x.H, -1, x.d)
         if not first + last:
-            return self.build(x.keys, x.values, bits, x.layer_idx, shift)
-        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift)
+            return self.build(x.keys, x.values, bits, x.layer_idx, shift, q)
+        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift, q)
         exact = [x.keep([torch.arange(a, b, device=x.keys.device)] * x.H) if b > a else None
                  for a, b in ((0, first), (x.T - last, x.T))]
         return ConcatState([exact[0], coded, exact[1]])  # in position order
