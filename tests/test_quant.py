@@ -332,8 +332,10 @@ def test_turboquant_key_shift_widens_the_keys_of_sharp_layers():
 
 
 def test_pca_allocation_and_gaussian_levels():
-    from kvsum.methods.quant.pca import MAX_BITS, allocate, gaussian_levels
+    from kvsum.methods.quant.pca import MAX_BITS, allocate, gaussian_levels, gaussian_lloyd_max
     assert gaussian_levels(2) == pytest.approx((-1.510, -0.4528, 0.4528, 1.510), abs=2e-3)  # Max (1960)
+    mse = [gaussian_lloyd_max(b)[1] for b in (1, 2, 3, 4)]
+    assert mse == pytest.approx([0.3634, 0.1175, 0.03454, 0.009497], rel=1e-3)  # Max's table
     b = allocate(torch.tensor([100.0, 10.0, 1.0, 0.0]), 8)
     assert b.sum() == 8 and b[0] >= b[1] >= b[2] and b[3] == 0
     # each bit cuts a variance by ~4x: an axis 16x wider earns about two more bits

@@ -13,29 +13,52 @@ principal axes that get bits, their standard deviations and widths, in fp16/uint
 
 from __future__ import annotations
 
-import math
+from functools import cache
 
+import numpy as np
 import torch
+from scipy import stats
 from torch import Tensor
 
 from ...state import tensor_bytes
-from .codebook import encode, lloyd_max
-from .packing import Packed
+from .codebook import encode
+from .packing import Packed, packed_nbytes
 
-GAUSS_D = (1.0, 0.3634, 0.1175, 0.03454, 0.009497, 0.002499)  # Lloyd-Max MSE of N(0, 1), 0..5 bits (Max, 1960)
-MAX_BITS = len(GAUSS_D) - 1  # wider codebooks take seconds to fit; the top axes rarely want more
-_LAW_D = 2048  # a coordinate of a unit vector in 2048 dimensions is N(0, 1/2048) to within 1e-3
+MAX_BITS = 8
+
+
+@cache
+def gaussian_lloyd_max(bits: int, tol: float = 1e-9, max_iter: int = 20_000) -> tuple[tuple[float, ...], float]:
+    """(levels, mean squared error) of the Lloyd-Max quantizer of a unit Gaussian: the cell means have a
+    closed form, (phi(a) - phi(b)) / (Phi(b) - Phi(a)) (8 bits converge in about 2 s, once per process)."""
+    n = 2 ** bits
+    levels = stats.norm.ppf((np.arange(n) + 0.5) / n)
+    for _ in range(max_iter):
+        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+        mass = np.diff(stats.norm.cdf(edges))
+        new = -np.diff(stats.norm.pdf(edges)) / np.maximum(mass, 1e-300)
+        new = (new - new[::-1]) / 2  # exactly symmetric
+        done = np.max(np.abs(new - levels)) < tol
+        levels = new
+        if done:
+            break
+    # E[(X - c)^2; cell] = mass (1 + c^2) - 2 c E[X; cell] + [a phi(a) - b phi(b)]
+    edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+    mass, pdf = np.diff(stats.norm.cdf(edges)), stats.norm.pdf(edges)
+    first = -np.diff(pdf)
+    xphi = np.where(np.isfinite(edges), edges, 0.0) * pdf
+    mse = float(np.sum(mass * (1 + levels ** 2) - 2 * levels * first - np.diff(xphi)))
+    return tuple(float(v) for v in levels), mse
 
 
 def gaussian_levels(bits: int) -> tuple[float, ...]:
-    """Lloyd-Max levels of a unit Gaussian (from the codebook module's coordinate law at a large dimension)."""
-    return tuple(v * math.sqrt(_LAW_D) for v in lloyd_max(bits, _LAW_D))
+    return gaussian_lloyd_max(bits)[0]
 
 
 def allocate(weight: Tensor, total: int) -> Tensor:
     """Integer widths (d,) in 0..MAX_BITS summing to min(total, d * MAX_BITS): greedy by marginal return
     weight_i (D(b_i) - D(b_i + 1)), optimal for a convex D."""
-    D = torch.tensor((*GAUSS_D, 0.0), dtype=torch.float64)
+    D = torch.tensor([1.0, *(gaussian_lloyd_max(b)[1] for b in range(1, MAX_BITS + 1)), 0.0], dtype=torch.float64)
     w = weight.double().clamp_min(0)
     b = torch.zeros(weight.shape[0], dtype=torch.long)
     for _ in range(min(total, weight.shape[0] * MAX_BITS)):
@@ -44,17 +67,34 @@ def allocate(weight: Tensor, total: int) -> Tensor:
     return b
 
 
-def overhead_bits(d: int) -> int:
-    """Upper bound on a head's side information: fp16 mean, axes (d x d), deviations; uint8 widths."""
-    return 16 * (d + d * d + d) + 8 * d
+def held_bytes(widths: Tensor, T: int, d: int) -> int:
+    """Bytes a head with these per-axis widths holds for T tokens: fp16 mean, used axes and deviations, uint8
+    widths, per width its packed codes and its fp32 levels."""
+    used = widths[widths > 0]
+    n = 2 * d + 2 * d * len(used) + 3 * len(used)
+    for k in used.unique().tolist():
+        n += packed_nbytes(T * int((used == k).sum()), k) + 4 * 2 ** k
+    return n
+
+
+def fit_widths(weight: Tensor, budget_bytes: int, T: int, d: int) -> Tensor:
+    """The allocation with the most code bits per token whose head, side information included, fits
+    `budget_bytes`."""
+    bits = max(0, 8 * (budget_bytes - 2 * d) // max(T, 1))
+    while True:
+        b = allocate(weight, bits)
+        over = held_bytes(b, T, d) - budget_bytes
+        if over <= 0 or bits == 0:
+            return b
+        bits = max(0, bits - max(1, -(-8 * over // max(T, 1))))
 
 
 class KeyTransform:
-    """One layer's keys (H, T, d) as transform codes, `bits_per_token` code bits per head and token.
+    """One layer's keys (H, T, d) as transform codes, each head in at most `head_bytes`.
 
     `extend` codes decoding-time keys on the same axes and widths."""
 
-    def __init__(self, keys: Tensor, queries: Tensor | None, bits_per_token: int):
+    def __init__(self, keys: Tensor, queries: Tensor | None, head_bytes: int):
         H, T, d = keys.shape
         self.H, self.T, self.d = H, 0, d
         self.heads = []
@@ -63,7 +103,7 @@ class KeyTransform:
             x = (keys[h] - mean).double()
             lam, U = torch.linalg.eigh(x.T @ x / max(T, 1))
             w = (queries[h].double() @ U).pow(2).mean(0) if queries is not None else torch.ones_like(lam)
-            b = allocate(w * lam.clamp_min(0), bits_per_token)
+            b = fit_widths(w * lam.clamp_min(0), head_bytes, T, d)
             used = (b > 0).nonzero()[:, 0]
             axes = U[:, used].to(torch.float16)
             std = lam[used].clamp_min(1e-12).sqrt().to(torch.float16)
@@ -110,10 +150,3 @@ class KeyTransform:
             n += tensor_bytes(hd["mean"], hd["axes"], hd["std"], hd["widths"])
             n += sum(codes.nbytes() + 4 * 2 ** k for _, k, _, codes in hd["groups"])  # fp32 levels, as TurboQuant
         return n
-
-
-def key_bits_per_token(budget_bytes: int, H: int, T: int, d: int) -> int:
-    """Code bits per head and token that keep a KeyTransform of (H, T, d) keys within `budget_bytes`: the side
-    information, the codebooks and each width's packing padding are taken off first."""
-    side = overhead_bits(d) + 8 * sum(k + 4 * 2 ** k for k in range(1, MAX_BITS + 1))
-    return max(0, (8 * budget_bytes - H * side) // max(H * T, 1))

@@ -29,7 +29,7 @@ from ..base import LayerInput, Method, register
 from ..summary.fit import head_diffuseness
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
-from .pca import KeyTransform, key_bits_per_token
+from .pca import KeyTransform
 from .stream import QuantStream
 
 SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
@@ -172,7 +172,7 @@ class TurboQuantState:
                  path: str, widths: tuple[float, float], key_transform: tuple[Tensor | None, int] | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
-        self.key_transform = key_transform  # (queries, code bits per token): keys as KeyTransform codes instead
+        self.key_transform = key_transform  # (queries, bytes per head): keys as KeyTransform codes instead
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
@@ -365,7 +365,7 @@ class TurboQuant(Method):
         widths, kt = self.widths(bits, shift), None
         if self.key_basis == "pca":
             H, T, d = keys.shape
-            kt = (queries, key_bits_per_token(coded_nbytes(H, T, d, widths[0]) + H * T * 2, H, T, d))
+            kt = (queries, (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H)  # per head: codes + fp16 norms
         return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, kt)
 
     def compress(self, x: LayerInput) -> TurboQuantState | ConcatState:
