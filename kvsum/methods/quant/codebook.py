@@ -38,6 +38,21 @@ def _cell_means(d: int):
     return means
 
 
+def lloyd(levels: np.ndarray, cell_means, lo: float, hi: float, tol: float, max_iter: int) -> np.ndarray:
+    """Lloyd's iteration for a symmetric law on [lo, hi] from initial levels: boundaries at the midpoints of
+    neighbouring levels, levels at the conditional means of their cells (`cell_means(edges)`), kept exactly
+    symmetric, until no level moves by `tol`."""
+    for _ in range(max_iter):
+        edges = np.concatenate([[lo], (levels[1:] + levels[:-1]) / 2, [hi]])
+        new = cell_means(edges)
+        new = (new - new[::-1]) / 2
+        done = np.max(np.abs(new - levels)) < tol
+        levels = new
+        if done:
+            break
+    return levels
+
+
 @lru_cache(maxsize=64)
 def lloyd_max(bits: int, d: int, tol: float = 1e-12, max_iter: int = 100_000) -> tuple[float, ...]:
     """The 2**bits Lloyd-Max levels (ascending) for the coordinate law in dimension d."""
@@ -45,15 +60,7 @@ def lloyd_max(bits: int, d: int, tol: float = 1e-12, max_iter: int = 100_000) ->
         raise ValueError(f"need 1 <= bits <= 8 and d >= 2, got bits={bits}, d={d}")
     n = 2 ** bits
     levels = coordinate_law(d).ppf((np.arange(n) + 0.5) / n)
-    cell_means = _cell_means(d)
-    for _ in range(max_iter):
-        edges = np.concatenate([[-1.0], (levels[1:] + levels[:-1]) / 2, [1.0]])
-        new = cell_means(edges)
-        new = (new - new[::-1]) / 2  # the law is symmetric: keep the codebook exactly symmetric
-        done = np.max(np.abs(new - levels)) < tol / np.sqrt(d)
-        levels = new
-        if done:
-            break
+    levels = lloyd(levels, _cell_means(d), -1.0, 1.0, tol / np.sqrt(d), max_iter)
     return tuple(float(v) for v in levels)
 
 

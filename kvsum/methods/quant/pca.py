@@ -21,7 +21,7 @@ from scipy import stats
 from torch import Tensor
 
 from ...state import tensor_bytes
-from .codebook import encode
+from .codebook import encode, lloyd
 from .packing import Packed, packed_nbytes
 
 MAX_BITS = 8
@@ -31,17 +31,11 @@ MAX_BITS = 8
 def gaussian_lloyd_max(bits: int, tol: float = 1e-9, max_iter: int = 20_000) -> tuple[tuple[float, ...], float]:
     """(levels, mean squared error) of the Lloyd-Max quantizer of a unit Gaussian: the cell means have a
     closed form, (phi(a) - phi(b)) / (Phi(b) - Phi(a)) (8 bits converge in about 2 s, once per process)."""
+    def cell_means(edges):
+        return -np.diff(stats.norm.pdf(edges)) / np.maximum(np.diff(stats.norm.cdf(edges)), 1e-300)
+
     n = 2 ** bits
-    levels = stats.norm.ppf((np.arange(n) + 0.5) / n)
-    for _ in range(max_iter):
-        edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
-        mass = np.diff(stats.norm.cdf(edges))
-        new = -np.diff(stats.norm.pdf(edges)) / np.maximum(mass, 1e-300)
-        new = (new - new[::-1]) / 2  # exactly symmetric
-        done = np.max(np.abs(new - levels)) < tol
-        levels = new
-        if done:
-            break
+    levels = lloyd(stats.norm.ppf((np.arange(n) + 0.5) / n), cell_means, -np.inf, np.inf, tol, max_iter)
     # E[(X - c)^2; cell] = mass (1 + c^2) - 2 c E[X; cell] + [a phi(a) - b phi(b)]
     edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
     mass, pdf = np.diff(stats.norm.cdf(edges)), stats.norm.pdf(edges)
