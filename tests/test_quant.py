@@ -356,6 +356,7 @@ def test_turboquant_pca_keys_cut_the_queries_logit_error_at_no_more_bytes():
     err = {kb: (st.scores(q, 1.0) - exact).pow(2).mean() for kb, st in states.items()}
     assert err["pca"] < 0.3 * err["random"]
     assert states["pca"].nbytes() <= states["random"].nbytes()
+    assert states["pca"]._pca is None  # the reference queries (uncounted bytes) are released once keys are coded
     assert torch.equal(states["pca"].values(), states["random"].values())  # values: the same rotated codes
     # both attention paths, and decoded keys coded on the same axes
     st = states["pca"]

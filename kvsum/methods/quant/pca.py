@@ -101,8 +101,8 @@ class KeyTransform:
             used = (b > 0).nonzero()[:, 0]
             axes = U[:, used].to(torch.float16)
             std = lam[used].clamp_min(1e-12).sqrt().to(torch.float16)
-            groups = [[(b[used] == k).nonzero()[:, 0], k, gaussian_levels(k), None] for k in range(1, MAX_BITS + 1)
-                      if (b[used] == k).any()]
+            groups = [[(b[used] == k).nonzero()[:, 0], k, torch.tensor(gaussian_levels(k), device=keys.device), None]
+                      for k in range(1, MAX_BITS + 1) if (b[used] == k).any()]
             self.heads.append(dict(mean=mean.to(torch.float16), axes=axes, std=std, widths=b[used].to(torch.uint8),
                                    groups=groups))
         self.extend(keys)
@@ -113,9 +113,9 @@ class KeyTransform:
             z = (keys[h] - head["mean"].float()) @ head["axes"].float() / head["std"].float()
             for g in head["groups"]:
                 cols, k, levels, codes = g
-                c = encode(z[:, cols].contiguous(), torch.tensor(levels, device=keys.device))
+                c = encode(z[:, cols].contiguous(), levels)
                 if codes is None:
-                    g[3] = Packed(c, k, levels)
+                    g[3] = Packed(c, k, gaussian_levels(k))
                 else:
                     codes.append(c)
         self.T += keys.shape[1]

@@ -172,7 +172,7 @@ class TurboQuantState:
                  path: str, widths: tuple[float, float], key_transform: tuple[Tensor | None, int] | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
-        self.key_transform = key_transform  # (queries, bytes per head): keys as KeyTransform codes instead
+        self._pca = key_transform  # (queries, bytes per head) for KeyTransform keys; released once they are built
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
@@ -191,20 +191,23 @@ class TurboQuantState:
         yv, v_norm = self._directions(values, Rf)
         self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
         self.T += n
-        if self.key_transform is not None:
-            if self.v is None:
-                self.k, self.v = KeyTransform(keys, *self.key_transform), Coded(yv, self.widths[1])
+        first = self.v is None
+        if first:
+            self.v = Coded(yv, self.widths[1])
+        else:
+            self.v.extend(yv)
+        if self._pca is not None or isinstance(self.k, KeyTransform):
+            if first:
+                self.k, self._pca = KeyTransform(keys, *self._pca), None  # the queries are not held
             else:
                 self.k.extend(keys)
-                self.v.extend(yv)
             return
         yk, k_norm = self._directions(keys, Rf)
-        if self.k is None:
-            self.k, self.v = Coded(yk, self.widths[0]), Coded(yv, self.widths[1])
+        if first:
+            self.k = Coded(yk, self.widths[0])
             k_hat = self.k.lookup()
         else:
             k_hat = self.k.extend(yk)
-            self.v.extend(yv)
         self.k_norm = k_norm if self.k_norm is None else torch.cat([self.k_norm, k_norm], 1)
         if self.qjl:
             resid = keys @ Rf.t() - k_norm.float()[..., None] * k_hat  # in the rotated basis
@@ -238,7 +241,7 @@ class TurboQuantState:
 
     def keys(self) -> Tensor:
         """Dequantized keys (H, T, d) in the original basis."""
-        if self.key_transform is not None:
+        if isinstance(self.k, KeyTransform):
             return self.k.keys()
         k = self.k_norm.float()[..., None] * self.k.lookup()
         if self.signs is not None:
@@ -251,7 +254,7 @@ class TurboQuantState:
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.path == "dequant":
             return q @ self.keys().transpose(-1, -2) * scale
-        if self.key_transform is not None:
+        if isinstance(self.k, KeyTransform):
             return self.k.scores(q) * scale
         qr = q @ self.R.float().t()
         s = self.k.dot(qr) * self.k_norm.float()[None, :, None, :]
