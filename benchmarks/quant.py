@@ -40,7 +40,7 @@ NOSHIFT = [("turboquant", {"bits": b, "key_shift": 0}, [1.0]) for b in (3.5, 2.5
 PLAIN = [("turboquant", {"bits": b, "skew": 0, "sinks": 0, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]
 # keys as query-weighted transform codes in the bytes random-rotation keys and their norms take
 PCA = [("turboquant", {"bits": b, "key_basis": "pca"}, [1.0]) for b in (3.5, 2.5)]
-GROUPS = {"quant": QUANT, "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA}
+GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 

@@ -27,6 +27,17 @@ METHODS = [
     ("snapkv+turboquant", {}, [0.125]),
     ("turboquant", {}, [0.25, 0.125]),
 ]
+# --group pca: the cover's keys on the queries' principal axes (turboquant key_basis="pca"), where a random-
+# rotation cover cannot retrieve: 0.125 leaves 1.5-bit codes; beside the eviction methods on the same bytes
+PCA = [
+    ("full", {}, [1.0]),
+    ("summary", dict(cover_bits=1.5, cover_basis="pca", score="surprisal"), [0.125]),
+    ("summary", dict(cover_bits=1.5, score="surprisal"), [0.125]),
+    ("summary", dict(cover_bits=3, cover_basis="pca", score="surprisal"), [0.25]),
+    ("streaming_llm", {}, [0.125]),
+    ("snapkv", {}, [0.125]),
+    ("restkv", {}, [0.125]),
+]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,12 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--n-lm", type=int, default=3)
     ap.add_argument("--lm-only", action="store_true", help="only the lm rows (default out: summary_cover_lm)")
+    ap.add_argument("--group", choices=("main", "pca"), default="main",
+                    help="pca: the pca-keyed cover rows (default out: summary_cover_pca)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048], help="retrieval context lengths")
     args = ap.parse_args(argv)
-    if args.lm_only and args.out == str(RESULTS / "summary_cover"):
-        args.out = str(RESULTS / "summary_cover_lm")
+    if args.out == str(RESULTS / "summary_cover"):
+        args.out = str(RESULTS / ("summary_cover_lm" if args.lm_only else "summary_cover_pca" if args.group == "pca"
+                                  else "summary_cover"))
+    methods = PCA if args.group == "pca" else METHODS
     model, tok, t0 = start(args)
-    rows = [] if args.lm_only else run(model, tok, ["passkey", "multikey"], METHODS, [], [2048], args.n)
-    rows += run(model, tok, "lm", METHODS, [], [1536], args.n_lm)
+    rows = [] if args.lm_only else run(model, tok, ["passkey", "multikey"], methods, [], args.lengths, args.n)
+    rows += run(model, tok, "lm", methods, [], [1536], args.n_lm)
     finish(rows, args, t0)
 
 

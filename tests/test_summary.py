@@ -6,6 +6,7 @@ import torch
 import kvsum
 from kvsum.compress import prefill
 from kvsum.methods.base import LayerInput, make_method
+from kvsum.methods.quant.pca import KeyTransform
 from kvsum.methods.summary.fit import causal_logits, fit_chunk_summaries
 
 from .conftest import tiny_llama
@@ -172,7 +173,7 @@ def test_cover_at_full_rank_is_exact_and_masks_anchors(rope):
     assert state.lengths() == [48, 47, 48]
 
 
-@pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2)])
+@pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2), dict(cover_bits=1.5, cover_basis="pca")])
 @pytest.mark.parametrize("budget", [0.5, 0.3])
 def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
     cache = kvsum.compress(tiny, ids, method="summary", budget=budget, **knobs)
@@ -189,6 +190,20 @@ def test_code_cover_widens_keys_in_sharp_layers(tiny, ids):
     assert {c.widths[1] for c in covers} == {1.5}
     flat = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2, entropy_allocation=False)
     assert {layer.state.parts[1].inner.widths for layer in flat.layers} == {(2.5, 1.5)}
+
+
+def test_pca_cover_codes_keys_on_the_queries_axes_without_a_layer_shift(tiny, ids):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2, cover_basis="pca")
+    covers = [layer.state.parts[1].inner for layer in cache.layers]
+    assert all(isinstance(c.k, KeyTransform) and c._pca is None for c in covers)  # queries released once coded
+    assert {c.widths for c in covers} == {(2.5, 1.5)}  # no key shift: pca spreads bits by the queries
+    random = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2)
+    assert cache.nbytes() <= random.nbytes()
+
+
+def test_unknown_cover_basis_is_a_clear_error():
+    with pytest.raises(kvsum.KVSumError, match="cover_basis"):
+        make_method("summary", cover_bits=2, cover_basis="hadamard")
 
 
 def test_cover_beyond_the_budget_is_a_clear_error(tiny, ids):

@@ -9,6 +9,9 @@ Per head the byte budget is split by a fixed, explainable rule:
     tokens, each replaced by one entry (key, log-mass bias, value) fitted so that it reproduces the chunk's
     attention mass (NNLS) and output (ridge least squares) over the reference queries.
 With entropy allocation on, diffuse heads and layers (high attention entropy) get more of the budget.
+With a cover (`cover_share` low-rank factors, or `cover_bits` TurboQuant codes, keys on a random rotation or,
+with cover_basis="pca", on the axes the reference queries read), every token that is not an anchor stays
+approximately present instead of being summarized.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..base import LayerInput, Method, register
-from ..quant.turboquant import TurboQuant, key_shifts
+from ..quant.turboquant import KEY_BASES, TurboQuant, key_shifts
 from .cover import CoverState, MaskedState, cover_bytes
 from .fit import (
     causal_logits,
@@ -62,7 +65,8 @@ class Summary(Method):
     max_refs: int = 384  # reference query rows per KV head used by the fits
     span: int = 9  # average the token score over a span of neighbours: facts are spans of tokens
     cover_share: float = 0.0  # bytes of the low-rank cover of every non-anchor token (cover.py)
-    cover_bits: float = 0  # > 0: the cover is TurboQuant codes of every token at these bits instead
+    cover_bits: float = 0.0  # > 0: the cover is TurboQuant codes of every token at these bits instead
+    cover_basis: str = "random"  # the cover's key basis (TurboQuant's key_basis; "pca" follows the queries)
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
@@ -74,6 +78,8 @@ class Summary(Method):
             raise KVSumError("anchor_share + lowrank_share must be at most 1")
         if self.score not in SCORES:
             raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.cover_basis not in KEY_BASES:
+            raise KVSumError(f"cover_basis must be one of {', '.join(KEY_BASES)}, got {self.cover_basis!r}")
         if self.key_mode not in ("max", "mean"):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
 
@@ -87,7 +93,7 @@ class Summary(Method):
             return [budget] * len(inputs)
         self._diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
         means = {i: float(v.mean()) for i, v in self._diffuse.items()}
-        if self.cover_bits:  # the cover's keys get a bit more in sharp layers, less in diffuse (TurboQuant)
+        if self.cover_bits and self.cover_basis == "random":  # sharp layers' cover keys get a bit more
             self._shift = key_shifts(means, 1)
         weight = torch.tensor([means[x.layer_idx] for x in inputs])
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
@@ -130,8 +136,9 @@ class Summary(Method):
     def _cover(self, x: LayerInput, elem: int):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover."""
         if self.cover_bits:
-            tq, shift = TurboQuant(bits=self.cover_bits), self._shift.get(x.layer_idx, 0)
-            return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx, shift), ex),
+            tq, shift = TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis), self._shift.get(x.layer_idx, 0)
+            q = x.queries.reshape(x.H, -1, x.d) if self.cover_basis == "pca" else None
+            return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx, shift, q), ex),
                     tq.shifted_nbytes(x.H, x.T, x.d, self.cover_bits, shift) + x.H * x.T)
         if self.cover_share > 0:
             n = x.H * x.d
