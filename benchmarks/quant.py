@@ -2,7 +2,8 @@
 
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
-             with key_basis="pca") and KIVI 4 / 2 bits beside full (--groups picks rows)
+             with key_basis="pca") and KIVI 4 / 2 bits beside full (--groups picks rows; "rotation" is
+             the two TurboQuant defaults alone, for larger --n)
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
   lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
