@@ -371,6 +371,10 @@ class TurboQuant(Method):
             kt = (queries, (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H)  # per head: codes + fp16 norms
         return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, kt)
 
+    def basis_queries(self, x: LayerInput) -> Tensor | None:
+        """Each KV head's reference queries (H, n * G, d), which key_basis="pca" weights its axes by."""
+        return x.queries.reshape(x.H, -1, x.d) if self.key_basis == "pca" and x.queries is not None else None
+
     def compress(self, x: LayerInput) -> TurboQuantState | ConcatState:
         full = 2 * x.H * x.T * x.d * 2
         first, last = self._exact(x.T)
@@ -378,9 +382,7 @@ class TurboQuant(Method):
         shift = self._shift.get(x.layer_idx, 0)
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
                          lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full)
-        q = None
-        if self.key_basis == "pca" and x.queries is not None:  # each KV head's reference queries
-            q = x.queries.reshape(x.H, -1, x.d)
+        q = self.basis_queries(x)
         if not first + last:
             return self.build(x.keys, x.values, bits, x.layer_idx, shift, q)
         coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift, q)

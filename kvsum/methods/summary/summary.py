@@ -137,7 +137,7 @@ class Summary(Method):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover."""
         if self.cover_bits:
             tq, shift = TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis), self._shift.get(x.layer_idx, 0)
-            q = x.queries.reshape(x.H, -1, x.d) if self.cover_basis == "pca" else None
+            q = tq.basis_queries(x)
             return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx, shift, q), ex),
                     tq.shifted_nbytes(x.H, x.T, x.d, self.cover_bits, shift) + x.H * x.T)
         if self.cover_share > 0:
