@@ -369,3 +369,32 @@ def test_turboquant_pca_keys_cut_the_queries_logit_error_at_no_more_bytes():
         make_method("turboquant", key_basis="eigen")
     with pytest.raises(kvsum.KVSumError, match="without QJL"):
         make_method("turboquant", key_basis="pca", qjl=True)
+
+
+def test_pca_outliers_keep_the_worst_coded_tokens_exact_in_the_same_bytes():
+    H, T, d = 2, 400, 16
+    g = torch.Generator().manual_seed(5)
+    x = _layer(H, T, d)
+    x.keys = torch.randn(H, T, d, generator=g) * torch.logspace(0.7, -0.7, d)
+    odd = torch.tensor([7, 100, 222, 391])
+    x.keys[:, odd, -1] = 40.0  # far outside the narrow last axis: its codes cannot hold these tokens
+    x.queries = torch.randn(2 * H, 30, d, generator=g)
+    q = x.queries.reshape(H, -1, d)[None]
+    exact = q @ x.keys.transpose(-1, -2)
+    states = {o: make_method("turboquant", bits=2.5, sinks=0, key_basis="pca", outliers=o).compress(x)
+              for o in (0.0, 0.01)}
+    worst = {o: (st.scores(q, 1.0) - exact).abs().amax((0, 1, 2)) for o, st in states.items()}  # per token
+    st = states[0.01]
+    assert torch.equal(st.k.exact[0].long(), odd.expand(H, -1))  # the 4 = 1% of 400 worst tokens are these
+    assert torch.equal(st.keys()[:, odd], x.keys[:, odd].half().float())
+    assert worst[0.01][odd].max() < 0.05 * worst[0.0][odd].min()
+    assert st.nbytes() <= make_method("turboquant", bits=2.5, sinks=0, key_shift=0).compress(x).nbytes()
+    rotated = st.scores(q, 0.5)
+    st.path = "dequant"
+    assert torch.allclose(st.scores(q, 0.5), rotated, atol=1e-3)
+    st.extend(x.keys[:, :8], x.values[:, :8])  # decoded tokens are coded only: a copy of outlier 7 is clipped
+    assert st.T == T + 8 and torch.equal(st.keys()[:, 7], x.keys[:, 7].half().float())
+    assert (st.keys()[:, T + 7] - x.keys[:, 7]).abs().max() > 10
+    for bad in (dict(outliers=0.01), dict(outliers=1.0, key_basis="pca")):
+        with pytest.raises(kvsum.KVSumError, match="outliers"):
+            make_method("turboquant", **bad)

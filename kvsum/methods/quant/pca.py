@@ -86,12 +86,18 @@ def fit_widths(weight: Tensor, budget_bytes: int, T: int, d: int) -> Tensor:
 class KeyTransform:
     """One layer's keys (H, T, d) as transform codes, each head in at most `head_bytes`.
 
+    With `outliers` > 0, that fraction of each head's tokens, those the codes serve worst (the largest
+    expected logit error over the queries), is also held exact (fp16 keys, int32 positions, paid out of the
+    head's bytes): a few tokens lie outside what the per-axis codebooks and the zero-bit axes can hold, and
+    unlike a rotation's codes with per-token norms, the transform codes would lose most of such a key.
     `extend` codes decoding-time keys on the same axes and widths."""
 
-    def __init__(self, keys: Tensor, queries: Tensor | None, head_bytes: int):
+    def __init__(self, keys: Tensor, queries: Tensor | None, head_bytes: int, outliers: float = 0.0):
         H, T, d = keys.shape
         self.H, self.T, self.d = H, 0, d
         self.heads = []
+        n_out = min(T, round(outliers * T))
+        head_bytes -= n_out * (2 * d + 4)
         for h in range(H):
             mean = keys[h].mean(0)
             x = (keys[h] - mean).double()
@@ -104,8 +110,20 @@ class KeyTransform:
             groups = [[(b[used] == k).nonzero()[:, 0], k, torch.tensor(gaussian_levels(k), device=keys.device), None]
                       for k in range(1, MAX_BITS + 1) if (b[used] == k).any()]
             self.heads.append(dict(mean=mean.to(torch.float16), axes=axes, std=std, widths=b[used].to(torch.uint8),
-                                   groups=groups))
+                                   groups=groups, w=w, U=U))
         self.extend(keys)
+        self.exact = None
+        if n_out:  # (H, n) positions and their fp16 keys
+            err = torch.stack([self._error(keys[h], hd) for h, hd in enumerate(self.heads)])
+            idx = err.topk(n_out, dim=1).indices.sort(1).values
+            self.exact = (idx.to(torch.int32), torch.stack([keys[h, idx[h]] for h in range(H)]).to(torch.float16))
+        for hd in self.heads:
+            del hd["w"], hd["U"]
+
+    def _error(self, keys: Tensor, head: dict) -> Tensor:
+        """Each token's expected squared logit error over the queries, sum_i w_i (x_i - x_hat_i)^2 (T,)."""
+        rec = self._coords(head) @ head["axes"].float().t() + head["mean"].float()
+        return ((keys - rec).double() @ head["U"]).pow(2) @ head["w"]
 
     def extend(self, keys: Tensor) -> None:
         """Code keys (H, n, d) after the current ones."""
@@ -128,18 +146,25 @@ class KeyTransform:
         return z * head["std"].float()
 
     def keys(self) -> Tensor:
-        """Dequantized keys (H, T, d)."""
-        return torch.stack([self._coords(hd) @ hd["axes"].float().t() + hd["mean"].float() for hd in self.heads])
+        """Dequantized keys (H, T, d), the exact outliers in place."""
+        k = torch.stack([self._coords(hd) @ hd["axes"].float().t() + hd["mean"].float() for hd in self.heads])
+        if self.exact is not None:
+            idx, ek = self.exact
+            k.scatter_(1, idx.long()[..., None].expand(-1, -1, self.d), ek.float())
+        return k
 
     def scores(self, q: Tensor) -> Tensor:
         """q (1, H, M, d) against the keys -> (1, H, M, T) unscaled: the queries move onto each head's axes once;
-        the mean's logit is exact."""
-        out = [(q[0, h] @ hd["axes"].float()) @ self._coords(hd).t() + (q[0, h] @ hd["mean"].float())[:, None]
-               for h, hd in enumerate(self.heads)]
-        return torch.stack(out)[None]
+        the mean's logit is exact, and so are the outliers'."""
+        out = torch.stack([(q[0, h] @ hd["axes"].float()) @ self._coords(hd).t()
+                           + (q[0, h] @ hd["mean"].float())[:, None] for h, hd in enumerate(self.heads)])
+        if self.exact is not None:
+            idx, ek = self.exact
+            out.scatter_(2, idx.long()[:, None, :].expand(-1, out.shape[1], -1), q[0] @ ek.float().transpose(1, 2))
+        return out[None]
 
     def nbytes(self) -> int:
-        n = 0
+        n = tensor_bytes(*self.exact) if self.exact is not None else 0
         for hd in self.heads:
             n += tensor_bytes(hd["mean"], hd["axes"], hd["std"], hd["widths"])
             n += sum(codes.nbytes() + 4 * 2 ** k for _, k, _, codes in hd["groups"])  # fp32 levels, as TurboQuant

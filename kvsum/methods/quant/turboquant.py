@@ -169,10 +169,10 @@ class TurboQuantState:
     `extend` quantizes decoding-time tokens into the same stores (same rotation, codebooks, channel split)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
-                 path: str, widths: tuple[float, float], key_transform: tuple[Tensor | None, int] | None = None):
+                 path: str, widths: tuple[float, float], key_transform: tuple | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
-        self._pca = key_transform  # (queries, bytes per head) for KeyTransform keys; released once they are built
+        self._pca = key_transform  # (queries, bytes per head, outliers) for KeyTransform; released once they are built
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
@@ -283,7 +283,9 @@ class TurboQuant(Method):
     head picks one key among thousands, and code noise on every distractor's logit is what flips it.
     `key_basis="pca"` codes keys on each head's own principal axes instead, with bits spread over the axes
     by the reference queries (pca.py), in the bytes the random-rotation keys and their norms would take;
-    values keep the rotation. Its allocation follows the queries within each layer, so the key shift is off."""
+    values keep the rotation. Its allocation follows the queries within each layer, so the key shift is off.
+    `outliers` (pca only): that fraction of each head's prompt tokens, the ones its codes serve worst, is kept
+    exact inside the same key bytes."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
@@ -299,6 +301,7 @@ class TurboQuant(Method):
     window: int = 0
     key_shift: int = 1
     key_basis: str = "random"
+    outliers: float = 0.0
 
     def __post_init__(self):
         self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
@@ -306,6 +309,9 @@ class TurboQuant(Method):
             raise KVSumError(f"turboquant: key_basis={self.key_basis!r}; accepted: {', '.join(KEY_BASES)}")
         if self.key_basis == "pca" and self.qjl:
             raise KVSumError("turboquant: key_basis='pca' codes keys without QJL; pick one")
+        if not 0 <= self.outliers < 1 or (self.outliers and self.key_basis != "pca"):
+            raise KVSumError(f"turboquant: outliers={self.outliers} must be in [0, 1), with key_basis='pca' (the "
+                             "tokens its transform codes serve worst are kept exact)")
         if self.path not in PATHS:
             raise KVSumError(f"turboquant: path={self.path!r}; accepted: {', '.join(PATHS)}")
         if self.group < 1 or self.residual < 0:
@@ -368,7 +374,7 @@ class TurboQuant(Method):
         widths, kt = self.widths(bits, shift), None
         if self.key_basis == "pca":
             H, T, d = keys.shape
-            kt = (queries, (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H)  # per head: codes + fp16 norms
+            kt = (queries, (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H, self.outliers)  # codes + fp16 norms
         return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, kt)
 
     def basis_queries(self, x: LayerInput) -> Tensor | None:
