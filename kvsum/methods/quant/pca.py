@@ -95,7 +95,7 @@ class KeyTransform:
     def __init__(self, keys: Tensor, queries: Tensor | None, head_bytes: int, outliers: float = 0.0):
         H, T, d = keys.shape
         self.H, self.T, self.d = H, 0, d
-        self.heads = []
+        self.heads, fits = [], []  # fits: each head's (axes U, query weights w), for the outliers' error
         n_out = min(T, round(outliers * T))
         head_bytes -= n_out * (2 * d + 4)
         for h in range(H):
@@ -110,20 +110,16 @@ class KeyTransform:
             groups = [[(b[used] == k).nonzero()[:, 0], k, torch.tensor(gaussian_levels(k), device=keys.device), None]
                       for k in range(1, MAX_BITS + 1) if (b[used] == k).any()]
             self.heads.append(dict(mean=mean.to(torch.float16), axes=axes, std=std, widths=b[used].to(torch.uint8),
-                                   groups=groups, w=w, U=U))
+                                   groups=groups))
+            fits.append((U, w))
         self.extend(keys)
         self.exact = None
         if n_out:  # (H, n) positions and their fp16 keys
-            err = torch.stack([self._error(keys[h], hd) for h, hd in enumerate(self.heads)])
+            # each token's expected squared logit error over the queries: sum_i w_i (x_i - x_hat_i)^2
+            err = torch.stack([((keys[h] - self._head_keys(hd)).double() @ U).pow(2) @ w
+                               for h, (hd, (U, w)) in enumerate(zip(self.heads, fits))])
             idx = err.topk(n_out, dim=1).indices.sort(1).values
             self.exact = (idx.to(torch.int32), torch.stack([keys[h, idx[h]] for h in range(H)]).to(torch.float16))
-        for hd in self.heads:
-            del hd["w"], hd["U"]
-
-    def _error(self, keys: Tensor, head: dict) -> Tensor:
-        """Each token's expected squared logit error over the queries, sum_i w_i (x_i - x_hat_i)^2 (T,)."""
-        rec = self._coords(head) @ head["axes"].float().t() + head["mean"].float()
-        return ((keys - rec).double() @ head["U"]).pow(2) @ head["w"]
 
     def extend(self, keys: Tensor) -> None:
         """Code keys (H, n, d) after the current ones."""
@@ -145,9 +141,13 @@ class KeyTransform:
             z[:, cols] = codes.lookup()
         return z * head["std"].float()
 
+    def _head_keys(self, head: dict) -> Tensor:
+        """One head's decoded keys (T, d), codes only."""
+        return self._coords(head) @ head["axes"].float().t() + head["mean"].float()
+
     def keys(self) -> Tensor:
         """Dequantized keys (H, T, d), the exact outliers in place."""
-        k = torch.stack([self._coords(hd) @ hd["axes"].float().t() + hd["mean"].float() for hd in self.heads])
+        k = torch.stack([self._head_keys(hd) for hd in self.heads])
         if self.exact is not None:
             idx, ek = self.exact
             k.scatter_(1, idx.long()[..., None].expand(-1, -1, self.d), ek.float())
