@@ -43,7 +43,10 @@ PLAIN = [("turboquant", {"bits": b, "skew": 0, "sinks": 0, "key_shift": 0}, [1.0
 PCA = [("turboquant", {"bits": b, "key_basis": "pca"}, [1.0]) for b in (3.5, 2.5)]
 # pca keys, plus the 1% of each head's tokens its codes serve worst kept exact, in the same bytes
 OUTLIERS = [("turboquant", {"bits": b, "key_basis": "pca", "outliers": 0.01}, [1.0]) for b in (3.5, 2.5)]
-GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS}
+# the defaults with each head's keys coded less their prompt mean (its logit exact)
+CENTER = [("turboquant", {"bits": b, "center": True}, [1.0]) for b in (3.5, 2.5)]
+GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
+          "center": CENTER}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 

@@ -1,6 +1,7 @@
 """Quantization methods: packing, Lloyd-Max codebooks, QJL, KIVI error bounds, byte counts, attention paths."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from scipy import integrate
 
 import kvsum
 from kvsum.methods.base import LayerInput, make_method
-from kvsum.methods.quant.codebook import coordinate_law, lloyd_max
+from kvsum.methods.quant.codebook import codebook, coordinate_law, encode, lloyd_max
 from kvsum.methods.quant.packing import Packed, pack, packed_nbytes, unpack
+from kvsum.methods.quant.pca import gaussian_levels
 from kvsum.methods.quant.turboquant import Coded, gaussian, qjl_encode, qjl_estimate, rotation
 
 from .conftest import tiny_llama
@@ -23,6 +25,18 @@ def _layer(H=2, T=300, d=16, budget=1.0, seed=0, outlier=True):
     values = torch.randn(H, T, d, generator=g)
     full = 2 * H * T * d * 2
     return LayerInput(keys, values, None, None, d ** -0.5, 0, 1, budget * full, torch.float16)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_encode_picks_the_nearest_level(bits):
+    # TurboQuant's codebooks up to 6 bits (7-8 take long to converge), pca's Gaussian ones beyond (bucketize)
+    levels = codebook(bits, 64) if bits <= 6 else torch.tensor(gaussian_levels(bits)) / 8
+    y = torch.cat([torch.randn(5000) / 8, levels, (levels[1:] + levels[:-1]) / 2])  # levels and cell edges too
+    code = encode(y, levels)
+    assert code.dtype == torch.uint8
+    dist = (y[:, None] - levels).abs()
+    assert (dist.gather(1, code.long()[:, None])[:, 0] <= dist.min(1).values + 1e-6).all()  # edges: either side
+    assert torch.equal(code, torch.bucketize(y, (levels[1:] + levels[:-1]) / 2).to(torch.uint8))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -111,6 +125,33 @@ def test_kivi_error_within_half_a_scale(bits):
     assert torch.equal(s.keys()[:, n_q:], x.keys[:, n_q:].half().float())
     # keys are grouped per channel: the outlier channel has its own, larger scale
     assert s.k_scale[..., 3].float().mean() > 4 * s.k_scale[..., :3].float().mean()
+
+
+def test_centered_keys_add_the_mean_logit_back_exactly_and_cut_the_error_of_offset_keys():
+    H, T, d = 2, 300, 16
+    x = _layer(H, T, d)
+    x.keys = x.keys + 4 * torch.randn(H, 1, d)  # a shared offset per head, as real keys have
+    q = torch.randn(1, H, 5, d)
+    knobs = dict(bits=2.5, sinks=0, key_shift=0)
+    plain, ctr = (make_method("turboquant", center=c, **knobs).compress(x) for c in (False, True))
+    logit_err = {k: (st.scores(q, 1.0) - q @ x.keys.transpose(-1, -2)).pow(2).mean() for k, st in
+                 (("plain", plain), ("ctr", ctr))}
+    assert logit_err["ctr"] < 0.5 * logit_err["plain"]
+    assert torch.equal(ctr.values(), plain.values())  # values are coded as they are
+    # the codes are those of the centered keys: shifting every key moves the reconstruction by as much (up to
+    # the fp16 rounding of the mean, which flips a few codes), while the code error itself is far larger
+    moved = _layer(H, T, d)
+    moved.keys = x.keys + 7
+    st = make_method("turboquant", center=True, **knobs).compress(moved)
+    assert (st.keys() - 7 - ctr.keys()).abs().mean() < 0.02 < (ctr.keys() - x.keys).abs().mean()
+    # both attention paths agree, and the mean keys (fp16 per head) are counted
+    p = torch.softmax(ctr.scores(q, 0.25), -1)
+    rotated = ctr.scores(q, 0.25), ctr.mix(p)
+    ctr.path = "dequant"
+    assert torch.allclose(ctr.scores(q, 0.25), rotated[0], atol=1e-3)
+    assert torch.allclose(ctr.mix(p), rotated[1], atol=1e-4)
+    assert ctr.nbytes() == plain.nbytes() + H * d * 2 == make_method("turboquant", center=True, **knobs).nbytes(
+        H, T, d, 2.5)
 
 
 def test_nbytes_is_the_analytic_count():
@@ -220,6 +261,7 @@ def _stepwise(model, cache, cont):
 @pytest.mark.parametrize("method,knobs", [("turboquant", dict(bits=4, sinks=0)),
                                           ("turboquant", dict(bits=3, qjl=True, sinks=0)),
                                           ("turboquant", dict(bits=3, key_basis="pca", sinks=0)),
+                                          ("turboquant", dict(bits=3, center=True, sinks=0)),
                                           ("kivi", dict(bits=2))])
 def test_decoded_tokens_are_quantized_in_groups(method, knobs):
     model = tiny_llama()
@@ -356,7 +398,10 @@ def test_turboquant_pca_keys_cut_the_queries_logit_error_at_no_more_bytes():
     err = {kb: (st.scores(q, 1.0) - exact).pow(2).mean() for kb, st in states.items()}
     assert err["pca"] < 0.3 * err["random"]
     assert states["pca"].nbytes() <= states["random"].nbytes()
-    assert states["pca"]._pca is None  # the reference queries (uncounted bytes) are released once keys are coded
+    refs = sys.getrefcount(x.queries)
+    kept = make_method("turboquant", bits=2.5, sinks=0, key_basis="pca").compress(x)
+    held = sys.getrefcount(x.queries) - refs  # outside the assert: pytest's rewrite would hold one more
+    assert held == 0 and kept.T == T  # the state holds no reference query (their bytes are not counted)
     assert torch.equal(states["pca"].values(), states["random"].values())  # values: the same rotated codes
     # both attention paths, and decoded keys coded on the same axes
     st = states["pca"]

@@ -166,16 +166,22 @@ def key_shifts(diffuseness: dict[int, float], shift: int) -> dict[int, int]:
 class TurboQuantState:
     """A layer's keys and values as rotated Lloyd-Max codes, fp16 norms (and a QJL sketch of the key residuals).
 
-    `extend` quantizes decoding-time tokens into the same stores (same rotation, codebooks, channel split)."""
+    With `center`, each head's mean prompt key (fp16) is subtracted before coding and its logit added back
+    exactly: the mean holds about half of a key's energy in SmolLM2 and a code's error scales with the norm it
+    codes, so the logit error halves. (Values are not centered: their mean is pulled by a few large tokens, and
+    centering them made attention outputs worse in a third of SmolLM2's layers.) A prebuilt `key_codes` (pca's
+    KeyTransform, centered itself) replaces the key codes. `extend` quantizes decoding-time tokens into the
+    same stores (same rotation, codebooks, channel split, mean)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
-                 path: str, widths: tuple[float, float], key_transform: tuple | None = None):
+                 path: str, widths: tuple[float, float], center: bool = False, key_codes: KeyTransform | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
-        self._pca = key_transform  # (queries, bytes per head, outliers) for KeyTransform; released once they are built
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
-        self.k = self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
+        self.k = key_codes
+        self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
+        self.k_mean = keys.mean(1, keepdim=True).half() if center and key_codes is None else None  # (H, 1, d)
         self.extend(keys, values)
 
     def pending(self) -> int:
@@ -190,18 +196,19 @@ class TurboQuantState:
         Rf = self.R.float()
         yv, v_norm = self._directions(values, Rf)
         self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
-        self.T += n
         first = self.v is None
         if first:
             self.v = Coded(yv, self.widths[1])
         else:
             self.v.extend(yv)
-        if self._pca is not None or isinstance(self.k, KeyTransform):
-            if first:
-                self.k, self._pca = KeyTransform(keys, *self._pca), None  # the queries are not held
-            else:
+        if isinstance(self.k, KeyTransform):
+            if self.T:  # the prompt's keys were coded when the transform was built
                 self.k.extend(keys)
+            self.T += n
             return
+        self.T += n
+        if self.k_mean is not None:
+            keys = keys - self.k_mean.float()
         yk, k_norm = self._directions(keys, Rf)
         if first:
             self.k = Coded(yk, self.widths[0])
@@ -228,7 +235,8 @@ class TurboQuantState:
         return [self.T] * self.H
 
     def nbytes(self) -> int:
-        n = self.k.nbytes() + self.v.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.R, self.S, self.r_norm)
+        n = self.k.nbytes() + self.v.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.R, self.S, self.r_norm,
+                                                             self.k_mean)
         return n + (self.signs.nbytes() if self.signs is not None else 0)
 
     def _signs(self) -> Tensor:
@@ -246,7 +254,8 @@ class TurboQuantState:
         k = self.k_norm.float()[..., None] * self.k.lookup()
         if self.signs is not None:
             k = k + self._qjl_keys()
-        return k @ self.R.float()
+        k = k @ self.R.float()
+        return k if self.k_mean is None else k + self.k_mean.float()
 
     def values(self) -> Tensor:
         return (self.v_norm.float()[..., None] * self.v.lookup()) @ self.R.float()
@@ -260,6 +269,8 @@ class TurboQuantState:
         s = self.k.dot(qr) * self.k_norm.float()[None, :, None, :]
         if self.signs is not None:
             s = s + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(), self.S.float())
+        if self.k_mean is not None:  # the mean's logit, exact, the same for every token
+            s = s + q @ self.k_mean.float().transpose(1, 2)
         return s * scale
 
     def mix(self, p: Tensor) -> Tensor:
@@ -285,7 +296,8 @@ class TurboQuant(Method):
     by the reference queries (pca.py), in the bytes the random-rotation keys and their norms would take;
     values keep the rotation. Its allocation follows the queries within each layer, so the key shift is off.
     `outliers` (pca only): that fraction of each head's prompt tokens, the ones its codes serve worst, is kept
-    exact inside the same key bytes."""
+    exact inside the same key bytes. `center` codes each head's keys less their prompt mean (fp16, counted),
+    whose logit is exact (pca keys are centered anyway)."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
@@ -302,6 +314,7 @@ class TurboQuant(Method):
     key_shift: int = 1
     key_basis: str = "random"
     outliers: float = 0.0
+    center: bool = False
 
     def __post_init__(self):
         self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
@@ -361,6 +374,8 @@ class TurboQuant(Method):
         n += 2 * H * T * 2 + d * d * 2  # fp16 norms, fp16 rotation
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
+        if self.center:
+            n += H * d * 2 * (self.key_basis == "random")  # fp16 mean keys
         return n
 
     def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int, shift: int = 0,
@@ -374,8 +389,9 @@ class TurboQuant(Method):
         widths, kt = self.widths(bits, shift), None
         if self.key_basis == "pca":
             H, T, d = keys.shape
-            kt = (queries, (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H, self.outliers)  # codes + fp16 norms
-        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, kt)
+            head_bytes = (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H  # what the codes and fp16 norms take
+            kt = KeyTransform(keys, queries, head_bytes, self.outliers)  # the state never sees the queries
+        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, self.center, kt)
 
     def basis_queries(self, x: LayerInput) -> Tensor | None:
         """Each KV head's reference queries (H, n * G, d), which key_basis="pca" weights its axes by."""
