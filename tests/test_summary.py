@@ -173,7 +173,8 @@ def test_cover_at_full_rank_is_exact_and_masks_anchors(rope):
     assert state.lengths() == [48, 47, 48]
 
 
-@pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2), dict(cover_bits=1.5, cover_basis="pca")])
+@pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2), dict(cover_bits=1.5, cover_basis="pca"),
+                                   dict(cover_bits=1.5, cover_center=True)])
 @pytest.mark.parametrize("budget", [0.5, 0.3])
 def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
     cache = kvsum.compress(tiny, ids, method="summary", budget=budget, **knobs)
@@ -190,6 +191,16 @@ def test_code_cover_widens_keys_in_sharp_layers(tiny, ids):
     assert {c.widths[1] for c in covers} == {1.5}
     flat = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2, entropy_allocation=False)
     assert {layer.state.parts[1].inner.widths for layer in flat.layers} == {(2.5, 1.5)}
+
+
+def test_centered_cover_holds_each_layers_mean_key(tiny, ids):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2, cover_center=True)
+    plain = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2)
+    pre = kvsum.prefill(tiny, ids)
+    for layer, ref, full in zip(cache.layers, plain.layers, pre.cache.layers):
+        cover = layer.state.parts[1].inner
+        assert torch.allclose(cover.k_mean.float(), full.keys[0].float().mean(1, keepdim=True), atol=1e-2)
+        assert cover.nbytes() == ref.state.parts[1].inner.nbytes() + cover.k_mean.numel() * 2
 
 
 def test_pca_cover_codes_keys_on_the_queries_axes_without_a_layer_shift(tiny, ids):

@@ -67,6 +67,7 @@ class Summary(Method):
     cover_share: float = 0.0  # bytes of the low-rank cover of every non-anchor token (cover.py)
     cover_bits: float = 0.0  # > 0: the cover is TurboQuant codes of every token at these bits instead
     cover_basis: str = "random"  # the cover's key basis (TurboQuant's key_basis; "pca" follows the queries)
+    cover_center: bool = False  # the cover's keys coded less their mean (TurboQuant's center)
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
@@ -136,7 +137,8 @@ class Summary(Method):
     def _cover(self, x: LayerInput, elem: int):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover."""
         if self.cover_bits:
-            tq, shift = TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis), self._shift.get(x.layer_idx, 0)
+            tq = TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis, center=self.cover_center)
+            shift = self._shift.get(x.layer_idx, 0)
             q = tq.basis_queries(x)
             return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx, shift, q), ex),
                     tq.shifted_nbytes(x.H, x.T, x.d, self.cover_bits, shift) + x.H * x.T)
