@@ -110,8 +110,7 @@ class Packed:
             words = torch.stack(words, 1).view(-1)
         else:
             words = self.data.int()
-        # embedding, not table.index_select(0, words): the same rows, but the latter ran 2-4x slower on 2 threads
-        return torch.nn.functional.embedding(words, self.table).view(-1)[:n].view(self.shape)
+        return self.table.index_select(0, words).view(-1)[:n].view(self.shape)
 
     def append(self, codes: Tensor) -> None:
         """Add codes of shape (n, *shape[1:]) after the current ones."""
