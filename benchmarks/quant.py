@@ -2,7 +2,7 @@
 
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
-             with key_basis="pca", and with pca plus outliers=0.01) and KIVI 4 / 2 bits beside full
+             with key_basis="pca", with pca plus outliers=0.01, and with center=True) and KIVI 4 / 2 bits beside full
              (--groups picks rows; "rotation" is the two TurboQuant defaults alone, for larger --n)
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
