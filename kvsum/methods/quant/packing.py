@@ -32,17 +32,15 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    if 8 % bits == 0:  # whole codes per byte, OR-ed in one column at a time (a reduction over 8 is slow)
-        g = flat.view(-1, 8 // bits)
-        out = g[:, 0].clone()
-        for j in range(1, g.shape[1]):
-            out |= g[:, j] << (bits * j)
-        return out
-    g = flat.view(-1, 8).to(torch.int32 if 8 * bits < 32 else torch.int64)
+    per = 8 // bits if 8 % bits == 0 else 8  # codes per word: a byte, or 8 codes in `bits` bytes
+    size = per * bits // 8  # bytes per word
+    g = flat.view(-1, per).to(torch.uint8 if size == 1 else torch.int32 if size < 4 else torch.int64)
     word = g[:, 0].clone()
-    for j in range(1, 8):
+    for j in range(1, per):  # OR-ed in one column at a time: a reduction over a short last dim is slow
         word |= g[:, j] << (bits * j)
-    return torch.stack([(word >> (8 * i)).to(torch.uint8) for i in range(bits)], 1).reshape(-1)  # low byte of each
+    if size == 1:
+        return word
+    return torch.stack([(word >> (8 * i)).to(torch.uint8) for i in range(size)], 1).reshape(-1)  # low byte of each
 
 
 def unpack(packed: Tensor, bits: int, n: int) -> Tensor:

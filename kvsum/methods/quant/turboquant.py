@@ -196,17 +196,16 @@ class TurboQuantState:
         Rf = self.R.float()
         yv, v_norm = self._directions(values, Rf)
         self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
+        self.T += n
         first = self.v is None
         if first:
             self.v = Coded(yv, self.widths[1])
         else:
             self.v.extend(yv)
         if isinstance(self.k, KeyTransform):
-            if self.T:  # the prompt's keys were coded when the transform was built
+            if not first:  # the prompt's keys were coded when the transform was built
                 self.k.extend(keys)
-            self.T += n
             return
-        self.T += n
         if self.k_mean is not None:
             keys = keys - self.k_mean.float()
         yk, k_norm = self._directions(keys, Rf)
