@@ -354,10 +354,15 @@ class TurboQuant(Method):
             shift = 0
         return k + shift, 2 * bits - k - self.qjl
 
+    def shifts_layers(self) -> bool:
+        """Whether key bits move between layers by attention entropy: pca's allocation follows the queries
+        within each layer instead."""
+        return bool(self.key_shift) and self.key_basis == "random"
+
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         """Equal bytes per layer; ranks the layers by attention entropy for `key_shift` (see the class)."""
         self._shift = {}
-        if self.key_shift and self.key_basis == "random" and all(x.queries is not None for x in inputs):
+        if self.shifts_layers() and all(x.queries is not None for x in inputs):
             self._shift = key_shifts({x.layer_idx: float(head_diffuseness(x).mean()) for x in inputs}, self.key_shift)
         return [budget] * len(inputs)
 

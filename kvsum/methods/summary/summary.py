@@ -83,6 +83,9 @@ class Summary(Method):
             raise KVSumError(f"cover_basis must be one of {', '.join(KEY_BASES)}, got {self.cover_basis!r}")
         if self.key_mode not in ("max", "mean"):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
+        # the code cover's quantizer, built once: it also decides whether its keys shift bits between layers
+        self._cover_quant = (TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis, center=self.cover_center)
+                             if self.cover_bits else None)
 
     def prefill_options(self) -> dict:
         return {"surprisal": self.score in ("hybrid", "surprisal"), "repeat": self.score == "repeat"}
@@ -94,8 +97,9 @@ class Summary(Method):
             return [budget] * len(inputs)
         self._diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
         means = {i: float(v.mean()) for i, v in self._diffuse.items()}
-        if self.cover_bits and self.cover_basis == "random":  # sharp layers' cover keys get a bit more
-            self._shift = key_shifts(means, 1)
+        tq = self._cover_quant
+        if tq is not None and tq.shifts_layers():  # sharp layers' cover keys get bits from diffuse ones
+            self._shift = key_shifts(means, tq.key_shift)
         weight = torch.tensor([means[x.layer_idx] for x in inputs])
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
         w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
@@ -137,8 +141,7 @@ class Summary(Method):
     def _cover(self, x: LayerInput, elem: int):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover."""
         if self.cover_bits:
-            tq = TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis, center=self.cover_center)
-            shift = self._shift.get(x.layer_idx, 0)
+            tq, shift = self._cover_quant, self._shift.get(x.layer_idx, 0)
             q = tq.basis_queries(x)
             return (lambda ex: MaskedState(tq.build(x.keys, x.values, self.cover_bits, x.layer_idx, shift, q), ex),
                     tq.shifted_nbytes(x.H, x.T, x.d, self.cover_bits, shift) + x.H * x.T)
