@@ -3,7 +3,9 @@
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
              with key_basis="pca", with pca plus outliers=0.01, and with center=True) and KIVI 4 / 2 bits beside full
-             (--groups picks rows; "rotation" is the two TurboQuant defaults alone, for larger --n)
+             (--groups picks rows; "rotation" is the two TurboQuant defaults alone, for larger --n; "sides"
+             is a diagnosis: the 2.5-bit defaults with the values, then the keys, kept exact, to tell how much
+             of the loss each side's codes cause)
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
   lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
@@ -22,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,8 +34,8 @@ import kvsum
 from kvsum.eval import run
 from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
-from kvsum.methods.base import make_method
-from kvsum.methods.quant.turboquant import PATHS
+from kvsum.methods.base import make_method, register
+from kvsum.methods.quant.turboquant import PATHS, TurboQuant
 
 QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.0]),
          ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
@@ -45,8 +48,54 @@ PCA = [("turboquant", {"bits": b, "key_basis": "pca"}, [1.0]) for b in (3.5, 2.5
 OUTLIERS = [("turboquant", {"bits": b, "key_basis": "pca", "outliers": 0.01}, [1.0]) for b in (3.5, 2.5)]
 # the defaults with each head's keys coded less their prompt mean (its logit exact)
 CENTER = [("turboquant", {"bits": b, "center": True}, [1.0]) for b in (3.5, 2.5)]
+
+
+class OneSide:
+    """A TurboQuant state attended with one side replaced by the exact tensor (held beside the codes and
+    counted): `coded` names the side whose codes are read."""
+
+    def __init__(self, state, exact, coded: str):
+        self.state, self.exact, self.coded = state, exact, coded
+
+    def lengths(self):
+        return self.state.lengths()
+
+    def nbytes(self):
+        return self.state.nbytes() + self.exact.numel() * self.exact.element_size()
+
+    def scores(self, q, scale):
+        return self.state.scores(q, scale) if self.coded == "keys" else q @ self.exact[None].transpose(-1, -2) * scale
+
+    def mix(self, p):
+        return self.state.mix(p) if self.coded == "values" else p @ self.exact[None]
+
+
+@register
+@dataclass
+class TurboQuantOneSide(TurboQuant):
+    """Diagnosis only: TurboQuant with one side's codes read and the other side exact (decoded tokens stay in
+    full precision)."""
+
+    name = "turboquant_one_side"
+    coded: str = "keys"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.coded not in ("keys", "values"):
+            raise kvsum.KVSumError(f"coded must be 'keys' or 'values', got {self.coded!r}")
+
+    def build(self, keys, values, bits, layer_idx, shift=0, queries=None):
+        state = super().build(keys, values, bits, layer_idx, shift, queries)
+        return OneSide(state, values if self.coded == "keys" else keys, self.coded)
+
+    def stream(self, layer_idx, state):
+        return None
+
+
+SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
+    ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
-          "center": CENTER}
+          "center": CENTER, "sides": SIDES}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
@@ -105,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compose-bits", type=float, nargs="*", default=None,
                     help="lm: summary+turboquant at these bit widths (default: its default width)")
     ap.add_argument("--no-quant", action="store_true", help="lm: only the budget-0.0625 comparison")
-    ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS),
+    ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=[g for g in GROUPS if g != "sides"],
                     help="retrieval / lm: which quantizer rows run beside full")
     ap.add_argument("--steps", type=int, default=40, help="decode: tokens decoded per round")
     ap.add_argument("--repeats", type=int, default=3, help="decode: interleaved rounds")

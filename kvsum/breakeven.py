@@ -117,7 +117,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
         for T in lengths:
             ctx = ids[:, :T]
             repeat = 2 if T <= 1024 else 1
-            plain = min(_timed(lambda c=ctx: decoder(c, past_key_values=DynamicCache(), use_cache=True))[1]
+            plain = min(_timed(lambda c=ctx: decoder(c, cache=DynamicCache(), use_cache=True))[1]
                         for _ in range(repeat))
             pres, pre_s = {}, {}
             for m in made.values():
