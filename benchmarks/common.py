@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import time
 from pathlib import Path
@@ -37,3 +38,16 @@ def finish(rows: list[dict], args, t0: float) -> None:
                    threads=args.threads, wall_s=round(time.perf_counter() - t0, 1))
     print(md.read_text())
     print(f"wrote {js} and {md}")
+
+
+def parse_method(text: str) -> tuple[str, dict]:
+    """A method given as `name` or `name:knob=value,knob=value` (values as Python literals, else strings)."""
+    name, _, rest = text.partition(":")
+    knobs = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            knobs[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            knobs[k] = v
+    return name, knobs

@@ -9,13 +9,13 @@ with the compressed cache over the full cache. Writes benchmarks/results/cost.{j
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import parse_method
 
 import kvsum
 from kvsum.compress import token_surprisal
@@ -26,14 +26,7 @@ from kvsum.methods.base import make_method
 
 def spec(text: str):
     """A method given as `name` or `name:knob=value,knob=value` (values as Python literals, else strings)."""
-    name, _, rest = text.partition(":")
-    knobs = {}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        try:
-            knobs[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            knobs[k] = v
+    name, knobs = parse_method(text)
     return make_method(name, **knobs)
 
 

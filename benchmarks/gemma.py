@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import arguments, start
+from common import arguments, parse_method, start
 
 from kvsum.budget import full_nbytes
 from kvsum.errors import KVSumError
@@ -43,16 +43,22 @@ def artifact(model, tokenizer, name: str) -> Path:
     return path
 
 
-def feasible(name: str, budget: float, length: int, H: int = 1, d: int = 256) -> str | None:
-    """None if `name` fits `budget` on a Gemma-shaped layer of `length` tokens, else kvsum's reason."""
+def feasible(name: str, knobs: dict, budget: float, length: int, H: int = 1, d: int = 256) -> str | None:
+    """None if `name` with `knobs` fits `budget` on a Gemma-shaped layer of `length` tokens, else kvsum's reason."""
     x = LayerInput(keys=torch.randn(H, length, d), values=torch.randn(H, length, d), queries=None, query_pos=None,
                    scale=d ** -0.5, layer_idx=0, n_layers=1, budget_bytes=budget * full_nbytes(1, H, d, length),
                    storage=torch.float16)
     try:
-        make_method(name).compress(x)
+        make_method(name, **knobs).compress(x)
     except KVSumError as e:
         return str(e)
     return None
+
+
+def label(row: dict) -> str:
+    """A row's method as given on the command line: `name` or `name:knob=value,...` (the artifact path left out)."""
+    knobs = {k: v for k, v in (row.get("knobs") or {}).items() if k != "artifact"}
+    return row["method"] + (":" + ",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "")
 
 
 def render(rows: list[dict], runs: list[dict]) -> str:
@@ -68,8 +74,8 @@ def render(rows: list[dict], runs: list[dict]) -> str:
         parts += [f"## {task} @ {sub[0]['length']} tokens ({what}; n = {sub[0]['n']})", ""]
         header = ["method"] + [f"{b:g}" for b in BUDGETS] + ["global ratio", "total ratio"]
         parts += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for name in dict.fromkeys(r["method"] for r in sub):
-            mine = {r["budget"]: r for r in sub if r["method"] == name}
+        for name in dict.fromkeys(label(r) for r in sub):
+            mine = {r["budget"]: r for r in sub if label(r) == name}
             if name == "full":
                 r = mine[1.0]
                 cells = [f"{r['kl']:.3f} / {r['top1']:.0f}" if lm else f"{r['full_score']:.0f}"] * len(BUDGETS)
@@ -96,15 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--n", type=int, default=6, help="examples")
     ap.add_argument("--methods", nargs="+", default=METHODS + list(CALIBRATED),
-                    help="rows of other methods already in the results are kept")
+                    help="names or name:knob=value,... ; rows of other methods already in the results are kept")
     args = ap.parse_args(argv)
     model, tokenizer, t0 = start(args)
     methods, refused = [], []
-    for name in args.methods:
-        why = {b: feasible(name, b, args.length) for b in BUDGETS} if name in QUANT else {}
-        refused += [dict(method=name, budget=b, error=e) for b, e in why.items() if e]
-        knobs = {"artifact": str(artifact(model, tokenizer, args.model))} if name in CALIBRATED else {}
-        methods.append((name, knobs, [b for b in BUDGETS if not why.get(b)]) if why or knobs else name)
+    for given in args.methods:
+        name, knobs = parse_method(given)
+        why = {b: feasible(name, knobs, b, args.length) for b in BUDGETS} if name in QUANT else {}
+        refused += [dict(method=given, budget=b, error=e) for b, e in why.items() if e]
+        if name in CALIBRATED:
+            knobs["artifact"] = str(artifact(model, tokenizer, args.model))
+        methods.append((name, knobs, [b for b in BUDGETS if not why.get(b)]))
     rows = run(model, tokenizer, args.task, methods, BUDGETS, [args.length], args.n)
     out = Path(args.out)
     js = out.with_name(out.name + ".json")
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                 wall_s=round(time.perf_counter() - t0, 1), task=args.task)
     info["refused"] = refused
     info["methods"] = args.methods
-    keep = [r for r in old["rows"] if r["task"] != args.task or r["method"] not in args.methods]
+    keep = [r for r in old["rows"] if r["task"] != args.task or label(r) not in args.methods]
     runs = [r for r in old["runs"] if r.get("task") != args.task
             or not set(r.get("methods", METHODS)) <= set(args.methods)] + [info]
     order = {"passkey": 0, "multikey": 1, "lm": 2}

@@ -12,7 +12,7 @@ from kvsum.methods.base import LayerInput, make_method
 from kvsum.methods.quant.codebook import codebook, coordinate_law, encode, lloyd_max
 from kvsum.methods.quant.packing import Packed, pack, packed_nbytes, unpack
 from kvsum.methods.quant.pca import gaussian_levels
-from kvsum.methods.quant.turboquant import Coded, gaussian, qjl_encode, qjl_estimate, rotation
+from kvsum.methods.quant.turboquant import Coded, Rotation, gaussian, qjl_encode, qjl_estimate
 
 from .conftest import tiny_llama
 
@@ -65,13 +65,14 @@ def test_codebook_levels_match_lloyd_max_for_the_beta_law():
         assert mean == pytest.approx(level, rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["qr", "hadamard"])
 @pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
-def test_mse_distortion_within_published_bound(bits):
+def test_mse_distortion_within_published_bound(bits, kind):
     d, n = 64, 4000
     u = torch.randn(n, d, generator=torch.Generator().manual_seed(7))
     u = u / u.norm(dim=-1, keepdim=True)
-    R = rotation(d, seed=3).float()
-    x_hat = Coded((u @ R.t())[None], bits).lookup()[0] @ R
+    R = Rotation(d, 3, kind, "cpu")
+    x_hat = R.undo(Coded(R.apply(u)[None], bits).lookup()[0])
     mse = (u - x_hat).pow(2).sum(-1).mean().item()
     assert 4.0 ** -bits < mse <= math.sqrt(3) * math.pi / 2 * 4.0 ** -bits
 
@@ -176,6 +177,24 @@ def test_nbytes_is_the_analytic_count():
         assert make_method("kivi", bits=bits).compress(x).nbytes() == want
 
 
+def test_hadamard_rotation_is_orthogonal_holds_d_sign_bytes_and_refuses_other_head_dims():
+    x = torch.randn(3, 50, 64, generator=torch.Generator().manual_seed(0))
+    R = Rotation(64, 1, "hadamard", "cpu")
+    y = R.apply(x)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(R.undo(y), x, atol=1e-5)
+    assert R.nbytes() == 64 and Rotation(64, 1, "qr", "cpu").nbytes() == 64 * 64 * 2
+    assert not torch.equal(Rotation(64, 2, "hadamard", "cpu").apply(x), y)  # the signs follow the seed
+    layer = _layer(d=16)
+    qr = make_method("turboquant", bits=3.5).compress(layer)
+    had = make_method("turboquant", bits=3.5, rotation="hadamard").compress(layer)
+    assert qr.nbytes() - had.nbytes() == 16 * 16 * 2 - 16  # one layer's fp16 matrix against its sign bytes
+    with pytest.raises(kvsum.KVSumError, match="power-of-2 head dim, got 24"):
+        make_method("turboquant", bits=3.5, rotation="hadamard").compress(_layer(d=24))
+    with pytest.raises(kvsum.KVSumError, match="rotation='givens'; accepted: qr, hadamard"):
+        make_method("turboquant", rotation="givens")
+
+
 def test_budget_picks_or_refuses_bits():
     x = _layer(budget=0.31)  # no exact sinks: 3.5 bits take 0.301 at head dim 16 (norms, rotation), 4 bits 0.329
     with pytest.raises(kvsum.KVSumError, match=r"bits=4 needs 0\.329 .* bits that fit: 3\.5, 3, 2\.5, 2, 1"):
@@ -196,7 +215,7 @@ def _teacher_forced(model, cache, cont):
         return model(cont, past_key_values=cache).logits[0].float()
 
 
-@pytest.mark.parametrize("knobs", [dict(bits=3.5), dict(bits=2.5, qjl=True)])
+@pytest.mark.parametrize("knobs", [dict(bits=3.5), dict(bits=2.5, qjl=True), dict(bits=3, rotation="hadamard")])
 def test_rotated_and_dequant_paths_agree(tiny, ids, knobs):
     cont = ids[:, :12]
     out = {}

@@ -16,10 +16,12 @@ prompt's rotation, codebooks and outlier-channel split.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.linalg
 import torch
 from torch import Tensor
 
@@ -35,6 +37,7 @@ from .stream import QuantStream
 SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
 PATHS = ("rotated", "dequant")
 KEY_BASES = ("random", "pca")
+ROTATIONS = ("qr", "hadamard")
 
 
 def gaussian(d: int, seed: int) -> Tensor:
@@ -46,6 +49,42 @@ def rotation(d: int, seed: int) -> Tensor:
     (numpy's QR: torch.linalg.qr takes milliseconds even on tiny CPU matrices.)"""
     q, r = np.linalg.qr(gaussian(d, seed).numpy())
     return torch.from_numpy(q * np.sign(np.diagonal(r)))
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, device: str) -> Tensor:
+    """The Sylvester Hadamard matrix over sqrt(d) (orthogonal, symmetric), one per head dim per process."""
+    return torch.from_numpy(scipy.linalg.hadamard(d) / math.sqrt(d)).float().to(device)
+
+
+class Rotation:
+    """x -> x R^T (`apply`) and back (`undo`), R orthogonal and seeded. "qr": Haar-random R held in fp16 (d*d*2
+    bytes per layer). "hadamard": R = H diag(s) / sqrt(d), the Sylvester Hadamard matrix H shared by every layer
+    (a constant, like the codebooks) and d seeded signs s per layer (d bytes): at head dim 256 with one KV head
+    (Gemma 3) a dense R costs 6% of a 2k-token layer's 16-bit bytes, the signs 0.01%. Needs d a power of 2."""
+
+    def __init__(self, d: int, seed: int, kind: str, device):
+        self.R = self.signs = None
+        if kind == "qr":
+            self.R = rotation(d, seed).to(torch.float16).to(device)
+        elif d & (d - 1):
+            raise KVSumError(f"turboquant: rotation='hadamard' needs a power-of-2 head dim, got {d}; use 'qr'")
+        else:
+            g = torch.Generator().manual_seed(seed)
+            self.signs = (torch.randint(0, 2, (d,), generator=g) * 2 - 1).to(torch.int8).to(device)
+
+    def apply(self, x: Tensor) -> Tensor:
+        if self.R is not None:
+            return x @ self.R.float().t()
+        return (x * self.signs) @ _hadamard(x.shape[-1], str(x.device))  # H symmetric: H^T = H
+
+    def undo(self, y: Tensor) -> Tensor:
+        if self.R is not None:
+            return y @ self.R.float()
+        return (y @ _hadamard(y.shape[-1], str(y.device))) * self.signs
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.R, self.signs)
 
 
 def _split(bits: float, d: int) -> tuple[int, int]:
@@ -173,7 +212,7 @@ class TurboQuantState:
     KeyTransform, centered itself) replaces the key codes. `extend` quantizes decoding-time tokens into the
     same stores (same rotation, codebooks, channel split, mean)."""
 
-    def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Tensor, S: Tensor | None,
+    def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Rotation, S: Tensor | None,
                  path: str, widths: tuple[float, float], center: bool = False, key_codes: KeyTransform | None = None):
         self.H, _, self.d = keys.shape
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
@@ -193,8 +232,7 @@ class TurboQuantState:
         n = keys.shape[1]
         if quantize is not None and quantize != n:
             raise ValueError("turboquant quantizes every appended token")
-        Rf = self.R.float()
-        yv, v_norm = self._directions(values, Rf)
+        yv, v_norm = self._directions(values)
         self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
         self.T += n
         first = self.v is None
@@ -208,7 +246,7 @@ class TurboQuantState:
             return
         if self.k_mean is not None:
             keys = keys - self.k_mean.float()
-        yk, k_norm = self._directions(keys, Rf)
+        yk, k_norm = self._directions(keys)
         if first:
             self.k = Coded(yk, self.widths[0])
             k_hat = self.k.lookup()
@@ -216,7 +254,7 @@ class TurboQuantState:
             k_hat = self.k.extend(yk)
         self.k_norm = k_norm if self.k_norm is None else torch.cat([self.k_norm, k_norm], 1)
         if self.qjl:
-            resid = keys @ Rf.t() - k_norm.float()[..., None] * k_hat  # in the rotated basis
+            resid = self.R.apply(keys) - k_norm.float()[..., None] * k_hat  # in the rotated basis
             signs, r_norm = qjl_encode(resid, self.S.float())
             signs = signs.transpose(0, 1)  # token-major, as the codes
             if self.signs is None:
@@ -225,17 +263,16 @@ class TurboQuantState:
                 self.signs.append(signs)
                 self.r_norm = torch.cat([self.r_norm, r_norm.half()], 1)
 
-    @staticmethod
-    def _directions(x: Tensor, Rf: Tensor) -> tuple[Tensor, Tensor]:
+    def _directions(self, x: Tensor) -> tuple[Tensor, Tensor]:
         norm = x.norm(dim=-1)
-        return (x / norm.clamp_min(1e-30)[..., None]) @ Rf.t(), norm.half()
+        return self.R.apply(x / norm.clamp_min(1e-30)[..., None]), norm.half()
 
     def lengths(self) -> list[int]:
         return [self.T] * self.H
 
     def nbytes(self) -> int:
-        n = self.k.nbytes() + self.v.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.R, self.S, self.r_norm,
-                                                             self.k_mean)
+        n = self.k.nbytes() + self.v.nbytes() + self.R.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.S,
+                                                                               self.r_norm, self.k_mean)
         return n + (self.signs.nbytes() if self.signs is not None else 0)
 
     def _signs(self) -> Tensor:
@@ -253,18 +290,18 @@ class TurboQuantState:
         k = self.k_norm.float()[..., None] * self.k.lookup()
         if self.signs is not None:
             k = k + self._qjl_keys()
-        k = k @ self.R.float()
+        k = self.R.undo(k)
         return k if self.k_mean is None else k + self.k_mean.float()
 
     def values(self) -> Tensor:
-        return (self.v_norm.float()[..., None] * self.v.lookup()) @ self.R.float()
+        return self.R.undo(self.v_norm.float()[..., None] * self.v.lookup())
 
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.path == "dequant":
             return q @ self.keys().transpose(-1, -2) * scale
         if isinstance(self.k, KeyTransform):
             return self.k.scores(q) * scale
-        qr = q @ self.R.float().t()
+        qr = self.R.apply(q)
         s = self.k.dot(qr) * self.k_norm.float()[None, :, None, :]
         if self.signs is not None:
             s = s + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(), self.S.float())
@@ -275,7 +312,7 @@ class TurboQuantState:
     def mix(self, p: Tensor) -> Tensor:
         if self.path == "dequant":
             return p @ self.values()
-        return self.v.mix(p * self.v_norm.float()[None, :, None, :]) @ self.R.float()
+        return self.R.undo(self.v.mix(p * self.v_norm.float()[None, :, None, :]))
 
 
 @register
@@ -296,7 +333,9 @@ class TurboQuant(Method):
     values keep the rotation. Its allocation follows the queries within each layer, so the key shift is off.
     `outliers` (pca only): that fraction of each head's prompt tokens, the ones its codes serve worst, is kept
     exact inside the same key bytes. `center` codes each head's keys less their prompt mean (fp16, counted),
-    whose logit is exact (pca keys are centered anyway)."""
+    whose logit is exact (pca keys are centered anyway). `rotation="hadamard"` replaces each layer's dense
+    random rotation (fp16, d*d*2 bytes) by a seeded-sign Hadamard transform (d bytes): the better choice where
+    the head dim is large beside the KV heads' tokens (see Rotation)."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
@@ -314,9 +353,12 @@ class TurboQuant(Method):
     key_basis: str = "random"
     outliers: float = 0.0
     center: bool = False
+    rotation: str = "qr"
 
     def __post_init__(self):
         self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
+        if self.rotation not in ROTATIONS:
+            raise KVSumError(f"turboquant: rotation={self.rotation!r}; accepted: {', '.join(ROTATIONS)}")
         if self.key_basis not in KEY_BASES:
             raise KVSumError(f"turboquant: key_basis={self.key_basis!r}; accepted: {', '.join(KEY_BASES)}")
         if self.key_basis == "pca" and self.qjl:
@@ -375,7 +417,7 @@ class TurboQuant(Method):
         """Exactly what a state of (H, T, d) keys and values at `bits` (keys shifted by `shift`) holds (at most
         that with key_basis="pca")."""
         n = sum(coded_nbytes(H, T, d, w) for w in self.widths(bits, shift))
-        n += 2 * H * T * 2 + d * d * 2  # fp16 norms, fp16 rotation
+        n += 2 * H * T * 2 + (d * d * 2 if self.rotation == "qr" else d)  # fp16 norms; fp16 rotation or int8 signs
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         if self.center:
@@ -388,7 +430,7 @@ class TurboQuant(Method):
         `layer_idx`'s rotation; with key_basis="pca", keys get the bytes random-rotation keys and their norms
         would hold, as transform codes weighted by `queries` (H, M, d) (uniformly without)."""
         seed = self.seed * 1_000_003 + 2 * layer_idx
-        R = rotation(keys.shape[-1], seed).to(torch.float16).to(keys.device)
+        R = Rotation(keys.shape[-1], seed, self.rotation, keys.device)
         S = gaussian(keys.shape[-1], seed + 1).to(torch.float16).to(keys.device) if self.qjl else None
         widths, kt = self.widths(bits, shift), None
         if self.key_basis == "pca":
