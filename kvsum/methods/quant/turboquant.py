@@ -86,6 +86,11 @@ class Rotation:
     def nbytes(self) -> int:
         return tensor_bytes(self.R, self.signs)
 
+    @staticmethod
+    def planned_nbytes(d: int, kind: str) -> int:
+        """What `nbytes` will be, before the rotation is built (for budget planning)."""
+        return d * d * 2 if kind == "qr" else d
+
 
 def _split(bits: float, d: int) -> tuple[int, int]:
     """(low bit width, channels at low + 1 bits) so that the average over d channels is exactly `bits`."""
@@ -417,7 +422,7 @@ class TurboQuant(Method):
         """Exactly what a state of (H, T, d) keys and values at `bits` (keys shifted by `shift`) holds (at most
         that with key_basis="pca")."""
         n = sum(coded_nbytes(H, T, d, w) for w in self.widths(bits, shift))
-        n += 2 * H * T * 2 + (d * d * 2 if self.rotation == "qr" else d)  # fp16 norms; fp16 rotation or int8 signs
+        n += 2 * H * T * 2 + Rotation.planned_nbytes(d, self.rotation)  # fp16 norms
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         if self.center:
