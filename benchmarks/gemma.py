@@ -29,7 +29,6 @@ from kvsum.methods.base import LayerInput, make_method
 METHODS = ["full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi"]
 BUDGETS = [0.5, 0.25, 0.125]
 CALIBRATED = ("echokv", "lowrank")  # with an artifact calibrated on Gemma (in chunks within its sliding window)
-QUANT = ("turboquant", "kivi")  # whether a bit width fits depends on the bytes alone: checked up front
 
 
 def artifact(model, tokenizer, name: str) -> Path:
@@ -44,10 +43,12 @@ def artifact(model, tokenizer, name: str) -> Path:
 
 
 def feasible(name: str, knobs: dict, budget: float, length: int, H: int = 1, d: int = 256) -> str | None:
-    """None if `name` with `knobs` fits `budget` on a Gemma-shaped layer of `length` tokens, else kvsum's reason."""
-    x = LayerInput(keys=torch.randn(H, length, d), values=torch.randn(H, length, d), queries=None, query_pos=None,
-                   scale=d ** -0.5, layer_idx=0, n_layers=1, budget_bytes=budget * full_nbytes(1, H, d, length),
-                   storage=torch.float16)
+    """None if `name` with `knobs` fits `budget` on a Gemma-shaped layer of `length` tokens, else kvsum's reason
+    (whether bit widths or a code cover fit depends on the bytes alone, so random activations tell)."""
+    x = LayerInput(keys=torch.randn(H, length, d), values=torch.randn(H, length, d), queries=torch.randn(4 * H, 64, d),
+                   query_pos=torch.arange(length - 64, length), scale=d ** -0.5, layer_idx=0, n_layers=1,
+                   budget_bytes=budget * full_nbytes(1, H, d, length), storage=torch.float16,
+                   surprisal=torch.rand(length))
     try:
         make_method(name, **knobs).compress(x)
     except KVSumError as e:
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     methods, refused = [], []
     for given in args.methods:
         name, knobs = parse_method(given)
-        why = {b: feasible(name, knobs, b, args.length) for b in BUDGETS} if name in QUANT else {}
+        why = {b: feasible(name, knobs, b, args.length) for b in BUDGETS} if name not in ("full", *CALIBRATED) else {}
         refused += [dict(method=given, budget=b, error=e) for b, e in why.items() if e]
         if name in CALIBRATED:
             knobs["artifact"] = str(artifact(model, tokenizer, args.model))

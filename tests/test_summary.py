@@ -174,7 +174,8 @@ def test_cover_at_full_rank_is_exact_and_masks_anchors(rope):
 
 
 @pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2), dict(cover_bits=1.5, cover_basis="pca"),
-                                   dict(cover_bits=1.5, cover_center=True)])
+                                   dict(cover_bits=1.5, cover_center=True),
+                                   dict(cover_bits=2, cover_rotation="hadamard")])
 @pytest.mark.parametrize("budget", [0.5, 0.3])
 def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
     cache = kvsum.compress(tiny, ids, method="summary", budget=budget, **knobs)
@@ -212,9 +213,24 @@ def test_pca_cover_codes_keys_on_the_queries_axes_without_a_layer_shift(tiny, id
     assert cache.nbytes() <= random.nbytes()
 
 
-def test_unknown_cover_basis_is_a_clear_error():
+def test_unknown_cover_basis_or_rotation_is_a_clear_error():
     with pytest.raises(kvsum.KVSumError, match="cover_basis"):
         make_method("summary", cover_bits=2, cover_basis="hadamard")
+    with pytest.raises(kvsum.KVSumError, match="cover_rotation must be one of qr, hadamard"):
+        make_method("summary", cover_bits=2, cover_rotation="pca")
+
+
+def test_hadamard_cover_holds_d_sign_bytes_where_the_dense_rotation_does_not_fit():
+    H, T, d = 1, 256, 64  # one KV head, few tokens: the dense fp16 rotation is 1/8 of the layer
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = (torch.randn(*shape, generator=g) for shape in ((H, T, d), (H, T, d), (4, 32, d)))
+    x = LayerInput(keys, values, queries, torch.arange(T - 32, T), d ** -0.5, 0, 1, 0.25 * 2 * H * T * d * 2,
+                   torch.float16)
+    with pytest.raises(kvsum.KVSumError, match=r"rotation alone takes 0\.125 .* cover_rotation='hadamard'"):
+        make_method("summary", cover_bits=3, score="max").compress(x)
+    state = make_method("summary", cover_bits=3, score="max", cover_rotation="hadamard").compress(x)
+    assert state.parts[1].inner.R.nbytes() == d
+    assert state.nbytes() <= 0.25 * 2 * H * T * d * 2
 
 
 def test_cover_beyond_the_budget_is_a_clear_error(tiny, ids):

@@ -23,7 +23,7 @@ import torch
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..base import LayerInput, Method, register
-from ..quant.turboquant import KEY_BASES, TurboQuant, key_shifts
+from ..quant.turboquant import KEY_BASES, ROTATIONS, TurboQuant, key_shifts
 from .cover import CoverState, MaskedState, cover_bytes
 from .fit import (
     causal_logits,
@@ -68,6 +68,7 @@ class Summary(Method):
     cover_bits: float = 0.0  # > 0: the cover is TurboQuant codes of every token at these bits instead
     cover_basis: str = "random"  # the cover's key basis (TurboQuant's key_basis; "pca" follows the queries)
     cover_center: bool = False  # the cover's keys coded less their mean (TurboQuant's center)
+    cover_rotation: str = "qr"  # the cover's rotation (TurboQuant's rotation; "hadamard" holds d bytes a layer)
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
@@ -81,11 +82,13 @@ class Summary(Method):
             raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.cover_basis not in KEY_BASES:
             raise KVSumError(f"cover_basis must be one of {', '.join(KEY_BASES)}, got {self.cover_basis!r}")
+        if self.cover_rotation not in ROTATIONS:
+            raise KVSumError(f"cover_rotation must be one of {', '.join(ROTATIONS)}, got {self.cover_rotation!r}")
         if self.key_mode not in ("max", "mean"):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
         # the code cover's quantizer, built once: it also decides whether its keys shift bits between layers
-        self._cover_quant = (TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis, center=self.cover_center)
-                             if self.cover_bits else None)
+        self._cover_quant = (TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis, center=self.cover_center,
+                                        rotation=self.cover_rotation) if self.cover_bits else None)
 
     def prefill_options(self) -> dict:
         return {"surprisal": self.score in ("hybrid", "surprisal"), "repeat": self.score == "repeat"}
@@ -115,7 +118,12 @@ class Summary(Method):
         elem = torch.empty(0, dtype=x.storage).element_size()
         cover, spend = self._cover(x, elem)
         if spend > x.budget_bytes:
-            raise KVSumError(f"summary: the cover (cover_bits={self.cover_bits}) alone exceeds the budget")
+            hint = ""
+            if self.cover_bits and self.cover_rotation == "qr":
+                full = 2 * x.H * x.T * x.d * 2
+                hint = (f"; its dense fp16 rotation alone takes {x.d * x.d * 2 / full:.3f} of this layer's 16-bit "
+                        "bytes, cover_rotation='hadamard' holds it in d bytes")
+            raise KVSumError(f"summary: the cover (cover_bits={self.cover_bits}) alone exceeds the budget{hint}")
         left = int(x.budget_bytes - spend)
         diffuse = getattr(self, "_diffuse", None) if self.entropy_allocation else None
         if diffuse is not None:  # diffuse heads get more of the layer's bytes
