@@ -37,6 +37,7 @@ from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
 from kvsum.methods.base import make_method, register
 from kvsum.methods.quant.turboquant import PATHS, TurboQuant
+from kvsum.state import tensor_bytes
 
 QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.0]),
          ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
@@ -64,7 +65,7 @@ class OneSide:
         return self.state.lengths()
 
     def nbytes(self):
-        return self.state.nbytes() + self.exact.numel() * self.exact.element_size()
+        return self.state.nbytes() + tensor_bytes(self.exact)
 
     def scores(self, q, scale):
         return self.state.scores(q, scale) if self.coded == "keys" else q @ self.exact[None].transpose(-1, -2) * scale

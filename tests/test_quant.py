@@ -189,6 +189,16 @@ def test_hadamard_rotation_is_orthogonal_holds_d_sign_bytes_and_refuses_other_he
     qr = make_method("turboquant", bits=3.5).compress(layer)
     had = make_method("turboquant", bits=3.5, rotation="hadamard").compress(layer)
     assert qr.nbytes() - had.nbytes() == 16 * 16 * 2 - 16  # one layer's fp16 matrix against its sign bytes
+    H, T, d = 1, 256, 64  # one KV head, few tokens: the dense rotation is 1/8 of the layer's 16-bit bytes
+    g = torch.Generator().manual_seed(0)
+    one = LayerInput(torch.randn(H, T, d, generator=g), torch.randn(H, T, d, generator=g), None, None, d ** -0.5, 0, 1,
+                     0.25 * 2 * H * T * d * 2, torch.float16)
+    with pytest.raises(kvsum.KVSumError, match=r"rotation alone takes 0\.125 of the layer, rotation='hadamard'"):
+        make_method("turboquant", bits=3).compress(one)
+    assert make_method("turboquant", bits=3, rotation="hadamard").compress(one).nbytes() <= 0.25 * 2 * H * T * d * 2
+    with pytest.raises(kvsum.KVSumError) as small:  # 0.2% of 2,000 tokens: the rotation is not worth naming
+        make_method("turboquant", bits=4).compress(_layer(T=2000, budget=0.2))
+    assert "rotation" not in str(small.value)
     with pytest.raises(kvsum.KVSumError, match="power-of-2 head dim, got 24"):
         make_method("turboquant", bits=3.5, rotation="hadamard").compress(_layer(d=24))
     with pytest.raises(kvsum.KVSumError, match="rotation='givens'; accepted: qr, hadamard"):

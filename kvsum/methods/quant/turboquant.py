@@ -401,6 +401,13 @@ class TurboQuant(Method):
             shift = 0
         return k + shift, 2 * bits - k - self.qjl
 
+    def rotation_hint(self, d: int, full_bytes: float, knob: str = "rotation") -> str:
+        """For a refusal: what the dense rotation takes of the layer, where that is worth saying (>= 1%)."""
+        share = Rotation.planned_nbytes(d, self.rotation) / full_bytes
+        if self.rotation != "qr" or share < 0.01:
+            return ""
+        return f"; its dense fp16 rotation alone takes {share:.3f} of the layer, {knob}='hadamard' holds it in d bytes"
+
     def shifts_layers(self) -> bool:
         """Whether key bits move between layers by attention entropy: pca's allocation follows the queries
         within each layer instead."""
@@ -454,7 +461,8 @@ class TurboQuant(Method):
         n_q, exact = x.T - first - last, (first + last) * x.H * x.entry_bytes()
         shift = self._shift.get(x.layer_idx, 0)
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
-                         lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full)
+                         lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full,
+                         self.rotation_hint(x.d, full))
         q = self.basis_queries(x)
         if not first + last:
             return self.build(x.keys, x.values, bits, x.layer_idx, shift, q)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...budget import full_nbytes
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..base import LayerInput, Method, register
@@ -118,11 +119,8 @@ class Summary(Method):
         elem = torch.empty(0, dtype=x.storage).element_size()
         cover, spend = self._cover(x, elem)
         if spend > x.budget_bytes:
-            hint = ""
-            if self.cover_bits and self.cover_rotation == "qr":
-                full = 2 * x.H * x.T * x.d * 2
-                hint = (f"; its dense fp16 rotation alone takes {x.d * x.d * 2 / full:.3f} of this layer's 16-bit "
-                        "bytes, cover_rotation='hadamard' holds it in d bytes")
+            tq = self._cover_quant
+            hint = tq.rotation_hint(x.d, full_nbytes(1, x.H, x.d, x.T), "cover_rotation") if tq is not None else ""
             raise KVSumError(f"summary: the cover (cover_bits={self.cover_bits}) alone exceeds the budget{hint}")
         left = int(x.budget_bytes - spend)
         diffuse = getattr(self, "_diffuse", None) if self.entropy_allocation else None
