@@ -2,8 +2,8 @@
 
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
-             with key_basis="pca", with pca plus outliers=0.01, with center=True and with rotation="hadamard") and
-             KIVI 4 / 2 bits beside full
+             with key_basis="pca", with pca plus outliers=0.01, with center=True, with rotation="hadamard" and
+             with qjl=True) and KIVI 4 / 2 bits beside full
              (--groups picks rows; "rotation" is the two TurboQuant defaults alone, for larger --n; "sides"
              is a diagnosis: the 2.5-bit defaults with the values, then the keys, kept exact, to tell how much
              of the loss each side's codes cause)
@@ -52,6 +52,8 @@ OUTLIERS = [("turboquant", {"bits": b, "key_basis": "pca", "outliers": 0.01}, [1
 CENTER = [("turboquant", {"bits": b, "center": True}, [1.0]) for b in (3.5, 2.5)]
 # the defaults with each layer's rotation held as d seeded signs around a Hadamard matrix
 HADAMARD = [("turboquant", {"bits": b, "rotation": "hadamard"}, [1.0]) for b in (3.5, 2.5)]
+# the defaults with one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
+QJL = [("turboquant", {"bits": b, "qjl": True}, [1.0]) for b in (3.5, 2.5)]
 
 
 class OneSide:
@@ -99,7 +101,7 @@ class TurboQuantOneSide(TurboQuant):
 SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
-          "center": CENTER, "hadamard": HADAMARD, "sides": SIDES}
+          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "sides": SIDES}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 

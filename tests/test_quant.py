@@ -109,6 +109,17 @@ def test_qjl_makes_turboquant_logits_unbiased():
     assert (mean.abs() > 4.5 * se).any()
 
 
+def test_qjl_pays_for_unbiased_logits_with_their_spread():
+    """The price of the sketch, why qjl is off by default: in the same key bits (1-bit MSE codes + 1 QJL bit
+    against 2-bit MSE codes) the logits' error is larger (its spread about doubles, here and on SmolLM2's keys)."""
+    x = _layer(H=2, T=256, d=64, budget=10.0, outlier=False)
+    q = torch.randn(1, 2, 8, 64, generator=torch.Generator().manual_seed(5))
+    exact = q @ x.keys.transpose(-1, -2)
+    mse = {qjl: (make_method("turboquant", bits=2, qjl=qjl, skew=0, sinks=0, key_shift=0).compress(x).scores(q, 1.0)
+                 - exact).pow(2).mean().item() for qjl in (True, False)}
+    assert mse[True] > 1.5 * mse[False]
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_error_within_half_a_scale(bits):
     x = _layer(T=300)

@@ -4,7 +4,8 @@ A random rotation makes every coordinate of a unit vector follow one known law, 
 codebook is near-optimal for any input. Fractional rates (2.5, 3.5 bits) give half of each head's
 rotated channels one more bit: those with the largest RMS in this layer's own data. With `qjl`, keys get
 one bit less of MSE codes plus a 1-bit QJL sketch of the residual, which makes the attention logits
-unbiased (the MSE quantizer alone shrinks inner products).
+unbiased (the MSE quantizer alone shrinks inner products) but about doubles their error's spread; softmax
+attention minds the spread more than the bias, so it is off by default (see the README's quantization results).
 
 Two attention paths hold the same codes and give the same numbers: `dequant` rebuilds keys and values
 in the original basis; `rotated` rotates the queries once, scores them against codebook lookups in the
