@@ -39,21 +39,22 @@ from kvsum.methods.base import make_method, register
 from kvsum.methods.quant.turboquant import PATHS, TurboQuant
 from kvsum.state import tensor_bytes
 
-QUANT = [("turboquant", {"bits": 3.5}, [1.0]), ("turboquant", {"bits": 2.5}, [1.0]),
-         ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
-NOSHIFT = [("turboquant", {"bits": b, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]  # ablation: same key bits per layer
-# ablation: the layout alone (no key/value skew, exact sinks or key shift)
-PLAIN = [("turboquant", {"bits": b, "skew": 0, "sinks": 0, "key_shift": 0}, [1.0]) for b in (3.5, 2.5)]
+
+def tq(**knobs) -> list:
+    """TurboQuant rows at 3.5 and 2.5 bits with `knobs` (budget 1: the bit width sets the bytes)."""
+    return [("turboquant", {"bits": b, **knobs}, [1.0]) for b in (3.5, 2.5)]
+
+
+QUANT = [*tq(), ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
+NOSHIFT = tq(key_shift=0)  # ablation: same key bits per layer
+PLAIN = tq(skew=0, sinks=0, key_shift=0)  # ablation: the layout alone (no key/value skew, exact sinks or key shift)
 # keys as query-weighted transform codes in the bytes random-rotation keys and their norms take
-PCA = [("turboquant", {"bits": b, "key_basis": "pca"}, [1.0]) for b in (3.5, 2.5)]
+PCA = tq(key_basis="pca")
 # pca keys, plus the 1% of each head's tokens its codes serve worst kept exact, in the same bytes
-OUTLIERS = [("turboquant", {"bits": b, "key_basis": "pca", "outliers": 0.01}, [1.0]) for b in (3.5, 2.5)]
-# the defaults with each head's keys coded less their prompt mean (its logit exact)
-CENTER = [("turboquant", {"bits": b, "center": True}, [1.0]) for b in (3.5, 2.5)]
-# the defaults with each layer's rotation held as d seeded signs around a Hadamard matrix
-HADAMARD = [("turboquant", {"bits": b, "rotation": "hadamard"}, [1.0]) for b in (3.5, 2.5)]
-# the defaults with one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
-QJL = [("turboquant", {"bits": b, "qjl": True}, [1.0]) for b in (3.5, 2.5)]
+OUTLIERS = tq(key_basis="pca", outliers=0.01)
+CENTER = tq(center=True)  # the defaults with each head's keys coded less their prompt mean (its logit exact)
+HADAMARD = tq(rotation="hadamard")  # each layer's rotation held as d seeded signs around a Hadamard matrix
+QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 
 
 class OneSide:
