@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,3 +52,24 @@ def parse_method(text: str) -> tuple[str, dict]:
         except (ValueError, SyntaxError):
             knobs[k] = v
     return name, knobs
+
+
+@torch.no_grad()
+def paired_decode(model, caches: list, tokens: torch.Tensor, skip: int = 2) -> list[list[float]]:
+    """Decode `tokens` (1, n) one at a time on top of every cache, step t of every cache back to back (order
+    rotated), so the load of a shared machine hits them alike. Returns each cache's step seconds, aligned
+    across caches, without the first `skip` steps (warm-up). The caches grow as in generate."""
+    times = [[] for _ in caches]
+    for t in range(tokens.shape[1]):
+        order = list(range(len(caches)))
+        for i in order[t % len(order):] + order[:t % len(order)]:
+            t0 = time.perf_counter()
+            model(tokens[:, t:t + 1], cache=caches[i])
+            times[i].append(time.perf_counter() - t0)
+    return [ts[skip:] for ts in times]
+
+
+def paired_medians(times: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Per cache: the median step seconds and the median over steps of its step time over the first cache's."""
+    return ([statistics.median(ts) for ts in times],
+            [statistics.median(a / b for a, b in zip(ts, times[0])) for ts in times])

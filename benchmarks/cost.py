@@ -3,7 +3,8 @@
 For each method at one context length: compression time over plain prefill time (compress_prefill,
 plus the extra prefill work the method asks for: the surprisal pass, the re-read of repeat=True; each
 method is warmed up once first, as a server computes its codebooks once), and the decode-step time
-with the compressed cache over the full cache. Writes benchmarks/results/cost.{json,md}.
+with the compressed cache over the full cache, paired step by step (common.paired_decode). Writes
+benchmarks/results/cost.{json,md}.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import parse_method
+from common import paired_decode, paired_medians, parse_method
 
 import kvsum
 from kvsum.compress import token_surprisal
@@ -39,17 +40,6 @@ def _timed(fn, repeat: int = 1):
     return out, best
 
 
-@torch.no_grad()
-def decode_step(model, cache, token, steps: int) -> float:
-    """Median seconds per one-token forward on top of `cache` (the cache grows as it would in generate)."""
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        model(token, cache=cache)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -64,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model)
     ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
-    ctx, token = ex.context_ids, ex.question_ids[:, :1]
+    ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     methods = {m: spec(m) for m in args.methods}
     extras = {k: v for m in methods.values() for k, v in m.prefill_options().items() if v}
     warm = kvsum.prefill(model, ctx[:, :1024], **extras)  # long enough for every method to fit the budget
@@ -84,19 +74,21 @@ def main(argv: list[str] | None = None) -> None:
             extra_s["surprisal"] = _timed(lambda: token_surprisal(model, hidden, ctx), repeat=3)[1]
     if extras.get("repeat"):
         extra_s["repeat"] = max(_timed(lambda: kvsum.prefill(model, ctx, repeat=True))[1] - plain, 0.0)
-    full_step = decode_step(model, kvsum.compress_prefill(pre, make_method("full"), 1.0), token, args.steps)
-    rows = []
+    rows, caches = [], [kvsum.compress_prefill(pre, make_method("full"), 1.0)]
     for name, m in methods.items():
         cache, t_compress = _timed(lambda m=m: kvsum.compress_prefill(pre, m, args.budget))
         # each piece of extra prefill work (surprisal, re-read) is charged to the methods that ask for it
         extra = sum(extra_s[k] for k, v in m.prefill_options().items() if v)
         ratio = cache.nbytes() / cache.reference_nbytes  # right after compression, before decoding grows it
-        step = decode_step(model, cache, token, args.steps)
+        caches.append(cache)
         rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,
                          compress_s=t_compress, capture_s=extra, prefill_s=plain,
-                         compress_over_prefill=(t_compress + extra) / plain, decode_step_s=step,
-                         full_decode_step_s=full_step, decode_over_full=step / full_step))
-        print(rows[-1], flush=True)
+                         compress_over_prefill=(t_compress + extra) / plain))
+    step, over_full = paired_medians(paired_decode(model, caches, tokens))
+    full_step = step[0]
+    for r, s, o in zip(rows, step[1:], over_full[1:]):
+        r.update(decode_step_s=s, full_decode_step_s=full_step, decode_over_full=o)
+        print(r, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
@@ -104,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# Cost at {args.length} tokens, budget {args.budget} ({info['date']}, {args.threads} threads)", "",
              f"Plain prefill (with query capture): {plain:.2f} s; extra prefill work the methods ask for: "
              f"{', '.join(f'{k} {v:.2f} s' for k, v in extra_s.items()) or 'none'}; "
-             f"full-cache decode step: {full_step * 1000:.1f} ms.", "",
+             f"full-cache decode step: {full_step * 1000:.1f} ms (median of {tokens.shape[1] - 2} one-token steps; "
+             "step t of every cache run back to back, decode / full the median of the paired ratios).", "",
              "| method | bytes ratio | compress s | capture s | (compress + capture) / prefill | decode step ms |"
              " decode / full |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['ratio']:.3f} | {r['compress_s']:.2f} | {r['capture_s']:.2f} | "

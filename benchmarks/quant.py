@@ -22,14 +22,12 @@ Writes benchmarks/results/quant_<part>.{json,md}.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import RESULTS, arguments, finish, start
+from common import RESULTS, arguments, finish, paired_decode, paired_medians, start
 
 import kvsum
 from kvsum.eval import run
@@ -117,22 +115,13 @@ def decode(model, tok, args) -> None:
     configs = [("full", {}), *[("turboquant", {"bits": b, "path": p}) for b in (4, 3.5, 2.5, 2) for p in PATHS],
                *[("turboquant", {"bits": b, "key_basis": "pca"}) for b in (3.5, 2.5)],
                ("kivi", {"bits": 4}), ("kivi", {"bits": 2})]
-    times = {i: [] for i in range(len(configs))}
-    ratio = {}
+    times, ratio = [[] for _ in configs], {}
     for _ in range(args.repeats):
         caches = [kvsum.compress_prefill(pre, make_method(name, **knobs), 1.0) for name, knobs in configs]
         ratio = {i: c.nbytes() / c.reference_nbytes for i, c in enumerate(caches)}
-        for t in range(tokens.shape[1]):
-            order = list(range(len(configs)))
-            order = order[t % len(order):] + order[:t % len(order)]
-            for i in order:
-                t0 = time.perf_counter()
-                model(tokens[:, t:t + 1], cache=caches[i])
-                times[i].append(time.perf_counter() - t0)
-    skip = 2  # the first steps of a round warm up
-    keep = [j for j in range(len(times[0])) if j % tokens.shape[1] >= skip]
-    med = {i: statistics.median(times[i][j] for j in keep) for i in times}
-    paired = {i: statistics.median(times[i][j] / times[0][j] for j in keep) for i in times}
+        times = [a + b for a, b in zip(times, paired_decode(model, caches, tokens))]
+    med, paired = paired_medians(times)
+    keep = times[0]
     rows = [dict(method=name, knobs=knobs, length=args.length, ratio=ratio[i], decode_step_s=med[i],
                  decode_over_full=paired[i], steps=len(keep)) for i, (name, knobs) in enumerate(configs)]
     out = Path(args.out)

@@ -41,9 +41,10 @@ class EntryState:
 
     Heads may hold different numbers of entries: they are packed one after another into a single
     (sum of lengths, d) tensor, so nothing is padded and dropped entries take no memory. With equal
-    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths each
-    head's queries are scored against that head's own slice only (work and bytes read follow the entries
-    held), and the scores are padded with -inf to the longest head for the joint softmax.
+    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths every head's
+    queries are scored against all packed entries in one matmul and the other heads' entries are masked with
+    -inf (the entries are read once either way; one matmul per head took ten times the small operations, which
+    is what a decoding step over a few hundred entries pays for).
     """
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], bias: list[Tensor] | None = None,
@@ -71,12 +72,6 @@ class EntryState:
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.bias, self.head_of)
 
-    def _slices(self):
-        start = 0
-        for n in self._lengths:
-            yield start, n
-            start += n
-
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.uniform:
             n = self._lengths[0]
@@ -84,26 +79,20 @@ class EntryState:
             if self.bias is not None:
                 s = s + self.bias.view(1, self.H, 1, n).float()
             return s
-        # ragged: one matmul per head over its own entries, written into a -inf padded (1, H, M, max) block
-        s = q.new_full((*q.shape[:3], max(self._lengths)), float("-inf"))
-        for h, (a, n) in enumerate(self._slices()):
-            if n:
-                s[0, h, :, :n] = q[0, h] @ self.keys[a:a + n].float().t()
-        s.mul_(scale)
+        # ragged: every head's queries against all packed entries in one matmul, the other heads' entries masked
+        s = q[0] @ self.keys.float().t() * scale  # (H, M, N)
         if self.bias is not None:
-            for h, (a, n) in enumerate(self._slices()):
-                s[0, h, :, :n] += self.bias[a:a + n].float()
-        return s
+            s = s + self.bias.float()
+        return s.masked_fill_(self._foreign()[:, None, :], float("-inf"))[None]
+
+    def _foreign(self) -> Tensor:
+        """(H, N) bool: entry n belongs to another head than h."""
+        return self.head_of[None, :] != torch.arange(self.H, device=self.keys.device, dtype=self.head_of.dtype)[:, None]
 
     def mix(self, p: Tensor) -> Tensor:
         if self.uniform:
             return p @ self.values.view(1, self.H, self._lengths[0], self.values.shape[-1]).float()
-        out = p.new_zeros(*p.shape[:3], self.values.shape[-1])
-        for h, (a, n) in enumerate(self._slices()):
-            if n:
-                out[0, h] = p[0, h, :, :n] @ self.values[a:a + n].float()
-        return out
-
+        return p @ self.values.float()  # the other heads' entries have probability 0
 
 class ConcatState:
     """Several states attended as one: their entries side by side in the same softmax."""

@@ -30,6 +30,7 @@ from ...errors import KVSumError
 from ...state import ConcatState, tensor_bytes
 from ..base import LayerInput, Method, register
 from ..summary.fit import head_diffuseness
+from . import native
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
 from .pca import KeyTransform
@@ -157,17 +158,30 @@ class Coded:
             out.scatter_(2, ix.long()[:, None, :].expand(self.H, self.T, -1), self._levels(levels, codes))
         return out
 
-    def dot(self, qr: Tensor) -> Tensor:
-        """Rotated queries qr (1, H, M, d) against the reconstructed directions -> (1, H, M, T)."""
+    def _native(self, rows: int) -> list | None:
+        """The parts as native.py takes them, where its kernel serves them."""
+        parts = [(codes, ix) for ix, _, _, codes in self.parts]
+        return parts if native.usable(parts, rows) else None
+
+    def dot(self, qr: Tensor, norm: Tensor, scale: float) -> Tensor:
+        """Rotated queries qr (1, H, M, d) against the reconstructed directions times `norm` (H, T) and `scale`
+        -> (1, H, M, T); read from the packed codes by native.py's kernel where it serves."""
+        parts = self._native(qr.shape[2])
+        if parts is not None:
+            return native.score(parts, qr[0], norm, scale)[None]
         s = 0
         for ix, levels, _, codes in self.parts:
             part = qr if ix is None else qr.gather(3, ix.long()[None, :, None, :].expand(*qr.shape[:3], -1))
             s = s + part @ self._levels(levels, codes).transpose(-1, -2)
-        return s
+        return s * (norm.float()[None, :, None, :] * scale)
 
-    def mix(self, pw: Tensor) -> Tensor:
-        """Weights pw (1, H, M, T) over the reconstructed directions -> (1, H, M, d), one channel part at a
-        time: the split is undone on the small output, never on an (H, T, d) tensor."""
+    def mix(self, pw: Tensor, norm: Tensor) -> Tensor:
+        """Weights pw (1, H, M, T) over the reconstructed directions times `norm` (H, T) -> (1, H, M, d), one
+        channel part at a time (the split is undone on the small output, never on an (H, T, d) tensor)."""
+        parts = self._native(pw.shape[2])
+        if parts is not None:
+            return native.mix(parts, pw[0], norm, self.d)[None]
+        pw = pw * norm.float()[None, :, None, :]
         if self.parts[0][0] is None:
             _, levels, _, codes = self.parts[0]
             return pw @ self._levels(levels, codes)
@@ -308,7 +322,9 @@ class TurboQuantState:
         if isinstance(self.k, KeyTransform):
             return self.k.scores(q) * scale
         qr = self.R.apply(q)
-        s = self.k.dot(qr) * self.k_norm.float()[None, :, None, :]
+        if self.signs is None and self.k_mean is None:
+            return self.k.dot(qr, self.k_norm, scale)
+        s = self.k.dot(qr, self.k_norm, 1.0)
         if self.signs is not None:
             s = s + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(), self.S.float())
         if self.k_mean is not None:  # the mean's logit, exact, the same for every token
@@ -318,7 +334,7 @@ class TurboQuantState:
     def mix(self, p: Tensor) -> Tensor:
         if self.path == "dequant":
             return p @ self.values()
-        return self.R.undo(self.v.mix(p * self.v_norm.float()[None, :, None, :]))
+        return self.R.undo(self.v.mix(p, self.v_norm))
 
 
 @register

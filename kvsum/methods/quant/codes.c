@@ -1,0 +1,219 @@
+/* Attention over packed scalar codes, without unpacking them into memory.
+
+   Layout (packing.py): codes of shape (T, H, c) in token-major order; every 8 consecutive codes form one
+   little-endian word of 8 * bits bits, code j at bit bits * j, stored in `bits` bytes. With c a multiple
+   of 8, row (t, h) starts at byte ((t * H + h) * c / 8) * bits.
+
+   score_range: out[h, m, t] += sum_j q[h, m, j] * levels[code(t, h, j)]           (q (H, M, c), out (H, M, T))
+   mix_range:   out[h, m, j] += sum_t p[h, m, t] * norm[h, t] * levels[code(t, h, j)]  (p (H, M, T), out (H, M, c))
+
+   Eight codes are decoded at once into eight floats: one variable shift of the broadcast word, and a
+   lookup in the levels held in one or two registers (up to 16 levels), or a gather beyond. Tokens are
+   split into `threads` contiguous ranges (OpenMP); kv_mix_coded adds the per-thread sums at the end. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#define TB 4 /* tokens per pass */
+#define MB 3 /* query rows per pass over the codes (a KV head's G query heads at one decoding step) */
+
+static inline __m256 decode8(const uint8_t *src, const int bits, const __m256 lv0, const __m256 lv1,
+                             const float *levels) {
+    __m256i idx;
+    if (bits <= 4) {
+        uint32_t w = 0;  /* byte by byte: a 3-byte memcpy into a 4-byte word stalls store forwarding */
+        for (int i = 0; i < bits; i++) w |= (uint32_t)src[i] << (8 * i);
+        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+        idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), _mm256_set1_epi32((1 << bits) - 1));
+    } else {  /* 8 codes in 40..64 bits: codes 0-3 in the low 32 bits, codes 4-7 in the 32 after bit 4 * bits */
+        uint64_t w = 0;
+        for (int i = 0; i < bits; i++) w |= (uint64_t)src[i] << (8 * i);
+        const uint32_t lo = (uint32_t)w, hi = (uint32_t)(w >> (4 * bits));
+        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), _mm256_set1_epi32(bits));
+        idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts),
+                               _mm256_set1_epi32((1 << bits) - 1));
+    }
+    if (bits <= 3) return _mm256_permutevar8x32_ps(lv0, idx);
+    if (bits == 4) {
+        __m256 lo = _mm256_permutevar8x32_ps(lv0, idx), hi = _mm256_permutevar8x32_ps(lv1, idx);
+        return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    }
+    return _mm256_i32gather_ps(levels, idx, 4);
+}
+
+static void load_levels(const float *levels, int bits, __m256 *lv0, __m256 *lv1) {
+    float pad[16] = {0};
+    int n = 1 << bits;
+    memcpy(pad, levels, sizeof(float) * (n < 16 ? n : 16));
+    *lv0 = _mm256_loadu_ps(pad);
+    *lv1 = _mm256_loadu_ps(pad + 8);
+}
+
+/* the four horizontal sums of a, b, c, d */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Tokens go four at a time: each query vector is loaded once for the four, and the four dot products are
+   summed across lanes together (hsum4) instead of one by one. */
+static inline __attribute__((always_inline)) void score_range(
+        const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, const int bits,
+        const float *levels, const float *q, int64_t M, float *out) {
+    __m256 lv0, lv1;
+    load_levels(levels, bits, &lv0, &lv1);
+    const int64_t groups = c / 8, stride = H * groups * bits; /* bytes from one token's row to the next */
+    for (int64_t t = t0; t < t1; t += TB) {
+        const int tb = t1 - t < TB ? (int)(t1 - t) : TB;
+        for (int64_t h = 0; h < H; h++) {
+            const uint8_t *row = data + (t * H + h) * groups * bits;
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                const int mb = M - m0 < MB ? (int)(M - m0) : MB;
+                /* fixed trip counts keep acc in registers: missing tokens reread row 0, missing rows query 0 */
+                __m256 acc[TB][MB];
+                const uint8_t *rows[TB];
+                for (int k = 0; k < TB; k++) {
+                    rows[k] = row + (k < tb ? k : 0) * stride;
+                    for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
+                }
+                const float *qh = q + (h * M + m0) * c;
+                for (int64_t g = 0; g < groups; g++) {
+                    __m256 qv[MB];
+                    for (int i = 0; i < MB; i++) qv[i] = i < mb ? _mm256_loadu_ps(qh + i * c + 8 * g) : _mm256_setzero_ps();
+                    for (int k = 0; k < TB; k++) {
+                        __m256 x = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
+                        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(x, qv[i], acc[k][i]);
+                    }
+                }
+                for (int i = 0; i < mb; i++) {
+                    float *o = out + (h * M + m0 + i) * T + t;
+                    __m128 s = hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]);
+                    if (tb == TB) {
+                        _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), s));
+                    } else {
+                        float tmp[4];
+                        _mm_storeu_ps(tmp, s);
+                        for (int k = 0; k < tb; k++) o[k] += tmp[k];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Four tokens per pass as well: each output vector is loaded and stored once for the four. */
+static inline __attribute__((always_inline)) void mix_range(
+        const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, const int bits,
+        const float *levels, const float *p, const float *norm, int64_t M, float *out) {
+    __m256 lv0, lv1;
+    load_levels(levels, bits, &lv0, &lv1);
+    const int64_t groups = c / 8, stride = H * groups * bits;
+    for (int64_t t = t0; t < t1; t += TB) {
+        const int tb = t1 - t < TB ? (int)(t1 - t) : TB;
+        for (int64_t h = 0; h < H; h++) {
+            const uint8_t *row = data + (t * H + h) * groups * bits;
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                const int mb = M - m0 < MB ? (int)(M - m0) : MB;
+                /* fixed trip counts, as in score_range: missing tokens and rows weigh 0 */
+                __m256 w[TB][MB];
+                const uint8_t *rows[TB];
+                for (int k = 0; k < TB; k++) {
+                    rows[k] = row + (k < tb ? k : 0) * stride;
+                    for (int i = 0; i < MB; i++)
+                        w[k][i] = _mm256_set1_ps(k < tb && i < mb ? p[(h * M + m0 + i) * T + t + k] * norm[h * T + t + k]
+                                                                  : 0.0f);
+                }
+                for (int64_t g = 0; g < groups; g++) {
+                    __m256 acc[MB];
+                    for (int i = 0; i < MB; i++)
+                        acc[i] = i < mb ? _mm256_loadu_ps(out + (h * M + m0 + i) * c + 8 * g) : _mm256_setzero_ps();
+                    for (int k = 0; k < TB; k++) {
+                        __m256 x = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
+                        for (int i = 0; i < MB; i++) acc[i] = _mm256_fmadd_ps(w[k][i], x, acc[i]);
+                    }
+                    for (int i = 0; i < mb; i++) _mm256_storeu_ps(out + (h * M + m0 + i) * c + 8 * g, acc[i]);
+                }
+            }
+        }
+    }
+}
+
+/* one instance per width, so that every shift, mask and branch on `bits` is a constant */
+#define DISPATCH(fn, ...) \
+    switch (bits) { \
+        case 1: fn(__VA_ARGS__, 1); break; case 2: fn(__VA_ARGS__, 2); break; case 3: fn(__VA_ARGS__, 3); break; \
+        case 4: fn(__VA_ARGS__, 4); break; case 5: fn(__VA_ARGS__, 5); break; case 6: fn(__VA_ARGS__, 6); break; \
+        case 7: fn(__VA_ARGS__, 7); break; default: fn(__VA_ARGS__, 8); break; \
+    }
+#define SCORE(t0, t1, B) score_range(data[i], t0, t1, T, H, c[i], B, levels[i], qp[i], M, out)
+#define MIX(t0, t1, B) mix_range(data[i], t0, t1, T, H, c[i], B, levels[i], p, norm, M, dst)
+#define MAX_PARTS 8
+
+/* A coded side of one layer: `nparts` channel parts, part i holding channels idx[i] (H, c[i]) of each head
+   (NULL: all d channels, in order) as codes of bits[i] bits with levels[i].
+
+   kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j)   (out zeroed)
+   kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)          (out zeroed)
+   with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code. */
+
+static void gather_queries(int nparts, const uint8_t *const *idx, const int64_t *c, int64_t H, int64_t d,
+                           const float *q, int64_t M, float **qp) {
+    for (int i = 0; i < nparts; i++) {
+        if (!idx[i]) { qp[i] = (float *)q; continue; }
+        qp[i] = malloc(sizeof(float) * H * M * c[i]);
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < c[i]; j++) qp[i][(h * M + m) * c[i] + j] = q[(h * M + m) * d + idx[i][h * c[i] + j]];
+    }
+}
+
+void kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
+                    const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *q, int64_t M,
+                    const float *norm, float scale, float *out, int threads) {
+    float *qp[MAX_PARTS];
+    gather_queries(nparts, idx, c, H, d, q, M, qp);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int k = 0; k < threads; k++) {
+        const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
+        for (int i = 0; i < nparts; i++) {
+            const int bits = nbits[i];
+            DISPATCH(SCORE, t0, t1)
+        }
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t t = t0; t < t1; t++) out[(h * M + m) * T + t] *= scale * norm[h * T + t];
+    }
+    for (int i = 0; i < nparts; i++)
+        if (idx[i]) free(qp[i]);
+}
+
+void kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
+                  const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *p, int64_t M,
+                  const float *norm, float *out, int threads) {
+    /* each thread sums its tokens into its own (H, M, c[i]) block per part; the blocks are added into out's
+       channels at the end */
+    int64_t per = 0, off[MAX_PARTS];
+    for (int i = 0; i < nparts; i++) { off[i] = per; per += H * M * c[i]; }
+    float *buf = calloc((size_t)threads * per, sizeof(float));
+    if (!buf) return;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int k = 0; k < threads; k++) {
+        const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
+        for (int i = 0; i < nparts; i++) {
+            const int bits = nbits[i];
+            float *dst = buf + k * per + off[i];
+            DISPATCH(MIX, t0, t1)
+        }
+    }
+    for (int k = 0; k < threads; k++)
+        for (int i = 0; i < nparts; i++) {
+            const float *b = buf + k * per + off[i];
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t j = 0; j < c[i]; j++)
+                        out[(h * M + m) * d + (idx[i] ? idx[i][h * c[i] + j] : j)] += b[(h * M + m) * c[i] + j];
+        }
+    free(buf);
+}

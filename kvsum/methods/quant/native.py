@@ -1,0 +1,116 @@
+"""The packed-code attention kernel (codes.c): scores and mixes straight from packed codes.
+
+Eager PyTorch has no operation that reads 3-bit codes, so its path expands every code to a float32 level
+in memory at each decoding step (12x the packed bytes for 3-bit codes) and then multiplies. The kernel
+decodes eight codes at a time in registers and multiplies them there, which is what makes a coded cache
+faster to attend than the full one it replaces. It is compiled on first use with the machine's C compiler
+(AVX2 and FMA required) and cached beside the converted models; without a compiler, on a CPU without
+AVX2, on other devices or with KVSUM_NATIVE=0, the PyTorch path runs instead (same numbers up to float
+summation order).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ...models import cache_dir
+
+SOURCE = Path(__file__).with_name("codes.c")
+MAX_ROWS = 16  # query rows per KV head beyond which a matmul over looked-up levels is faster
+MAX_PARTS = 8  # codes.c's limit on channel parts per side
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot run (see the module); compiled once per source and machine."""
+    if os.environ.get("KVSUM_NATIVE", "1") == "0" or not _cpu_has_avx2():
+        return None
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
+    flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+    tag = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"codes-{tag}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, moved in whole
+            out = Path(tmp) / target.name
+            try:
+                subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                warnings.warn(f"kvsum: the packed-code kernel did not compile ({e}; {detail.decode()[:300]}); "
+                              "quantized caches use the slower PyTorch path", stacklevel=2)
+                return None
+            os.replace(out, target)
+    lib = ctypes.CDLL(str(target))
+    ptrs, i64 = ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64
+    head = [ctypes.c_int, ptrs, ptrs, ptrs, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_int), i64, i64, i64,
+            ctypes.c_void_p, i64, ctypes.c_void_p]
+    lib.kv_score_coded.argtypes = [*head, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.kv_mix_coded.argtypes = [*head, ctypes.c_void_p, ctypes.c_int]
+    lib.kv_score_coded.restype = lib.kv_mix_coded.restype = None
+    return lib
+
+
+def usable(parts: list, rows: int) -> bool:
+    """Whether the kernel serves a coded side: `parts` as (Packed codes (T, H, c), channel index (H, c) uint8 or
+    None), for `rows` query rows per KV head."""
+    return (0 < rows <= MAX_ROWS and len(parts) <= MAX_PARTS and library() is not None
+            and all(p.data.device.type == "cpu" and len(p.shape) == 3 and p.shape[2] % 8 == 0 and p.levels
+                    and (ix is None or ix.dtype == torch.uint8) for p, ix in parts))
+
+
+def _side(parts: list, d: int) -> tuple:
+    """The ctypes arguments that describe the parts, and the tensors they point into (kept alive by the caller)."""
+    n = len(parts)
+    levels = [p.level_values for p, _ in parts]
+    idx = [None if ix is None else ix.contiguous() for _, ix in parts]
+    arrays = ((ctypes.c_void_p * n)(*[p.data.data_ptr() for p, _ in parts]),
+              (ctypes.c_void_p * n)(*[0 if ix is None else ix.data_ptr() for ix in idx]),
+              (ctypes.c_void_p * n)(*[lv.data_ptr() for lv in levels]),
+              (ctypes.c_int64 * n)(*[p.shape[2] for p, _ in parts]),
+              (ctypes.c_int * n)(*[p.bits for p, _ in parts]))
+    T, H = parts[0][0].shape[:2]
+    return (n, *arrays, T, H, d), (levels, idx)
+
+
+def _threads(T: int) -> int:
+    return max(1, min(torch.get_num_threads(), T // 256 or 1))
+
+
+def score(parts: list, q: Tensor, norm: Tensor, scale: float) -> Tensor:
+    """Queries q (H, M, d) against the coded side -> (H, M, T): scale * norm[h, t] * <q[h, m], levels(t, h)>."""
+    args, keep = _side(parts, q.shape[-1])
+    q, norm = q.float().contiguous(), norm.float().contiguous()
+    out = q.new_zeros(q.shape[0], q.shape[1], args[6])
+    library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, out.data_ptr(),
+                             _threads(args[6]))
+    return out
+
+
+def mix(parts: list, p: Tensor, norm: Tensor, d: int) -> Tensor:
+    """Weights p (H, M, T) over the coded side -> (H, M, d): sum_t p[h, m, t] norm[h, t] levels(t, h)."""
+    args, keep = _side(parts, d)
+    p, norm = p.float().contiguous(), norm.float().contiguous()
+    out = p.new_zeros(p.shape[0], p.shape[1], d)
+    library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), out.data_ptr(), _threads(args[6]))
+    return out
