@@ -152,28 +152,34 @@ static inline __attribute__((always_inline)) void mix_range(
 #define MAX_PARTS 8
 
 /* A coded side of one layer: `nparts` channel parts, part i holding channels idx[i] (H, c[i]) of each head
-   (NULL: all d channels, in order) as codes of bits[i] bits with levels[i].
+   (NULL: all d channels, in order) as codes of nbits[i] bits with levels[i]. Both return 0, or -1 where
+   memory for their scratch could not be had (out is then not filled).
 
    kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j)   (out zeroed)
    kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)          (out zeroed)
    with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code. */
 
-static void gather_queries(int nparts, const uint8_t *const *idx, const int64_t *c, int64_t H, int64_t d,
-                           const float *q, int64_t M, float **qp) {
+static int gather_queries(int nparts, const uint8_t *const *idx, const int64_t *c, int64_t H, int64_t d,
+                          const float *q, int64_t M, float **qp) {
     for (int i = 0; i < nparts; i++) {
         if (!idx[i]) { qp[i] = (float *)q; continue; }
         qp[i] = malloc(sizeof(float) * H * M * c[i]);
+        if (!qp[i]) {
+            while (i--) if (idx[i]) free(qp[i]);
+            return -1;
+        }
         for (int64_t h = 0; h < H; h++)
             for (int64_t m = 0; m < M; m++)
                 for (int64_t j = 0; j < c[i]; j++) qp[i][(h * M + m) * c[i] + j] = q[(h * M + m) * d + idx[i][h * c[i] + j]];
     }
+    return 0;
 }
 
-void kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
+int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
                     const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *q, int64_t M,
-                    const float *norm, float scale, float *out, int threads) {
+                   const float *norm, float scale, float *out, int threads) {
     float *qp[MAX_PARTS];
-    gather_queries(nparts, idx, c, H, d, q, M, qp);
+    if (nparts > MAX_PARTS || gather_queries(nparts, idx, c, H, d, q, M, qp)) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int k = 0; k < threads; k++) {
         const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
@@ -187,17 +193,19 @@ void kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const
     }
     for (int i = 0; i < nparts; i++)
         if (idx[i]) free(qp[i]);
+    return 0;
 }
 
-void kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
-                  const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *p, int64_t M,
-                  const float *norm, float *out, int threads) {
+int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
+                 const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *p, int64_t M,
+                 const float *norm, float *out, int threads) {
     /* each thread sums its tokens into its own (H, M, c[i]) block per part; the blocks are added into out's
        channels at the end */
     int64_t per = 0, off[MAX_PARTS];
+    if (nparts > MAX_PARTS) return -1;
     for (int i = 0; i < nparts; i++) { off[i] = per; per += H * M * c[i]; }
     float *buf = calloc((size_t)threads * per, sizeof(float));
-    if (!buf) return;
+    if (!buf) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int k = 0; k < threads; k++) {
         const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
@@ -216,4 +224,5 @@ void kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *
                         out[(h * M + m) * d + (idx[i] ? idx[i][h * c[i] + j] : j)] += b[(h * M + m) * c[i] + j];
         }
     free(buf);
+    return 0;
 }

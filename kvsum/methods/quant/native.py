@@ -67,7 +67,7 @@ def library() -> ctypes.CDLL | None:
             ctypes.c_void_p, i64, ctypes.c_void_p]
     lib.kv_score_coded.argtypes = [*head, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.kv_mix_coded.argtypes = [*head, ctypes.c_void_p, ctypes.c_int]
-    lib.kv_score_coded.restype = lib.kv_mix_coded.restype = None
+    lib.kv_score_coded.restype = lib.kv_mix_coded.restype = ctypes.c_int
     return lib
 
 
@@ -93,6 +93,11 @@ def _side(parts: list, d: int) -> tuple:
     return (n, *arrays, T, H, d), (levels, idx)
 
 
+def _check(status: int) -> None:
+    if status:
+        raise MemoryError("kvsum: the packed-code kernel could not allocate its scratch memory")
+
+
 def _threads(T: int) -> int:
     return max(1, min(torch.get_num_threads(), T // 256 or 1))
 
@@ -102,8 +107,8 @@ def score(parts: list, q: Tensor, norm: Tensor, scale: float) -> Tensor:
     args, keep = _side(parts, q.shape[-1])
     q, norm = q.float().contiguous(), norm.float().contiguous()
     out = q.new_zeros(q.shape[0], q.shape[1], args[6])
-    library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, out.data_ptr(),
-                             _threads(args[6]))
+    _check(library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, out.data_ptr(),
+                                    _threads(args[6])))
     return out
 
 
@@ -112,5 +117,6 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int) -> Tensor:
     args, keep = _side(parts, d)
     p, norm = p.float().contiguous(), norm.float().contiguous()
     out = p.new_zeros(p.shape[0], p.shape[1], d)
-    library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), out.data_ptr(), _threads(args[6]))
+    _check(library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), out.data_ptr(),
+                                  _threads(args[6])))
     return out
