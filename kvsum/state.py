@@ -32,6 +32,9 @@ class LayerState(Protocol):
         """Entries held per KV head."""
 
 
+MASKED_MAX = 1024  # ragged entries up to which EntryState reads all heads in one masked matmul (see _masked)
+
+
 def tensor_bytes(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -41,10 +44,9 @@ class EntryState:
 
     Heads may hold different numbers of entries: they are packed one after another into a single
     (sum of lengths, d) tensor, so nothing is padded and dropped entries take no memory. With equal
-    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths every head's
-    queries are scored against all packed entries in one matmul and the other heads' entries are masked with
-    -inf (the entries are read once either way; one matmul per head took ten times the small operations, which
-    is what a decoding step over a few hundred entries pays for).
+    lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths each head's
+    queries are scored against that head's own slice (scores padded with -inf to the longest head), or, up to
+    MASKED_MAX entries in all, against all of them in one matmul with the other heads' entries masked.
     """
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], bias: list[Tensor] | None = None,
@@ -79,20 +81,49 @@ class EntryState:
             if self.bias is not None:
                 s = s + self.bias.view(1, self.H, 1, n).float()
             return s
-        # ragged: every head's queries against all packed entries in one matmul, the other heads' entries masked
-        s = q[0] @ self.keys.float().t() * scale  # (H, M, N)
+        if self._masked():  # few entries: one matmul over all of them, the other heads' entries masked
+            s = q[0] @ self.keys.float().t() * scale  # (H, M, N)
+            if self.bias is not None:
+                s = s + self.bias.float()
+            return s.masked_fill_(self._foreign()[:, None, :], float("-inf"))[None]
+        # many: one matmul per head over its own entries, padded with -inf to the longest head
+        s = q.new_full((*q.shape[:3], max(self._lengths)), float("-inf"))
+        for h, (a, n) in enumerate(self._slices()):
+            if n:
+                s[0, h, :, :n] = q[0, h] @ self.keys[a:a + n].float().t()
+        s.mul_(scale)
         if self.bias is not None:
-            s = s + self.bias.float()
-        return s.masked_fill_(self._foreign()[:, None, :], float("-inf"))[None]
+            for h, (a, n) in enumerate(self._slices()):
+                s[0, h, :, :n] += self.bias[a:a + n].float()
+        return s
+
+    def _masked(self) -> bool:
+        """Whether ragged heads are read in one masked matmul (H times the products, a few operations) rather
+        than one matmul per head (about ten small operations a head): the former is faster up to about a
+        thousand entries in all (a decoding step over SmolLM2's summary anchors), the latter beyond."""
+        return self.keys.shape[0] <= MASKED_MAX
 
     def _foreign(self) -> Tensor:
         """(H, N) bool: entry n belongs to another head than h."""
         return self.head_of[None, :] != torch.arange(self.H, device=self.keys.device, dtype=self.head_of.dtype)[:, None]
 
+    def _slices(self):
+        start = 0
+        for n in self._lengths:
+            yield start, n
+            start += n
+
     def mix(self, p: Tensor) -> Tensor:
         if self.uniform:
             return p @ self.values.view(1, self.H, self._lengths[0], self.values.shape[-1]).float()
-        return p @ self.values.float()  # the other heads' entries have probability 0
+        if self._masked():
+            return p @ self.values.float()  # the other heads' entries have probability 0
+        out = p.new_zeros(*p.shape[:3], self.values.shape[-1])
+        for h, (a, n) in enumerate(self._slices()):
+            if n:
+                out[0, h] = p[0, h, :, :n] @ self.values[a:a + n].float()
+        return out
+
 
 class ConcatState:
     """Several states attended as one: their entries side by side in the same softmax."""

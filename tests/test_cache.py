@@ -43,7 +43,7 @@ def _naive(state_k, state_v, state_b, q, k, v, mask, scale):
     return torch.stack(outs, 1)[None]  # (1, q, Hq, d)
 
 
-@pytest.mark.parametrize("lengths", [[5, 5, 5], [3, 7, 1], [0, 4, 2]])
+@pytest.mark.parametrize("lengths", [[5, 5, 5], [3, 7, 1], [0, 4, 2], [700, 0, 400]])  # the last: per-head reads
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_joint_attention_matches_concatenation(lengths, q_len):
     g = torch.Generator().manual_seed(0)

@@ -31,12 +31,18 @@ MAX_ROWS = 16  # query rows per KV head beyond which a matmul over looked-up lev
 MAX_PARTS = 8  # codes.c's limit on channel parts per side
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_flags() -> str:
+    """The first `flags` line of /proc/cpuinfo ("" where there is none)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        return ""
+    return next((line for line in lines if line.startswith("flags")), "")
+
+
+def _cpu_has_avx2() -> bool:
+    flags = _cpu_flags().split()
+    return "avx2" in flags and "fma" in flags
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,7 +53,8 @@ def library() -> ctypes.CDLL | None:
     src = SOURCE.read_bytes()
     cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
     flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-    tag = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    # -march=native: a build is only valid on the CPU it was made for (a cache directory may be shared)
+    tag = hashlib.sha256(src + " ".join([cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"codes-{tag}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
