@@ -63,8 +63,8 @@ def test_kernel_reads_wide_codes(bits):
     codes = Packed(torch.randint(0, 2 ** bits, (T, H, c)), bits, tuple(levels.tolist()))
     q, p, norm = torch.randn(H, M, c), torch.rand(H, M, T), torch.rand(H, T) + 0.5
     table = codes.lookup().transpose(0, 1)  # (H, T, c)
-    s = native.score([(codes, None)], q, norm, 0.5)
-    o = native.mix([(codes, None)], p, norm, c)
+    s = native.score([(codes, None, levels)], q, norm, 0.5)
+    o = native.mix([(codes, None, levels)], p, norm, c)
     assert _rel(s, 0.5 * norm[:, None, :] * (q @ table.transpose(1, 2))) < 1e-5
     assert _rel(o, (p * norm[:, None, :]) @ table) < 1e-5
 

@@ -80,22 +80,23 @@ def library() -> ctypes.CDLL | None:
 
 def usable(parts: list, rows: int) -> bool:
     """Whether the kernel serves a coded side: `parts` as (Packed codes (T, H, c), channel index (H, c) uint8 or
-    None), for `rows` query rows per KV head."""
+    None, levels (2**bits,) float32), for `rows` query rows per KV head."""
     return (0 < rows <= MAX_ROWS and len(parts) <= MAX_PARTS and library() is not None
-            and all(p.data.device.type == "cpu" and len(p.shape) == 3 and p.shape[2] % 8 == 0 and p.levels
-                    and (ix is None or ix.dtype == torch.uint8) for p, ix in parts))
+            and all(p.data.device.type == "cpu" and len(p.shape) == 3 and p.shape[2] % 8 == 0
+                    and lv.dtype == torch.float32 and lv.numel() == 2 ** p.bits
+                    and (ix is None or ix.dtype == torch.uint8) for p, ix, lv in parts))
 
 
 def _side(parts: list, d: int) -> tuple:
     """The ctypes arguments that describe the parts, and the tensors they point into (kept alive by the caller)."""
     n = len(parts)
-    levels = [p.level_values for p, _ in parts]
-    idx = [None if ix is None else ix.contiguous() for _, ix in parts]
-    arrays = ((ctypes.c_void_p * n)(*[p.data.data_ptr() for p, _ in parts]),
+    levels = [lv.contiguous() for _, _, lv in parts]
+    idx = [None if ix is None else ix.contiguous() for _, ix, _ in parts]
+    arrays = ((ctypes.c_void_p * n)(*[p.data.data_ptr() for p, _, _ in parts]),
               (ctypes.c_void_p * n)(*[0 if ix is None else ix.data_ptr() for ix in idx]),
               (ctypes.c_void_p * n)(*[lv.data_ptr() for lv in levels]),
-              (ctypes.c_int64 * n)(*[p.shape[2] for p, _ in parts]),
-              (ctypes.c_int * n)(*[p.bits for p, _ in parts]))
+              (ctypes.c_int64 * n)(*[p.shape[2] for p, _, _ in parts]),
+              (ctypes.c_int * n)(*[p.bits for p, _, _ in parts]))
     T, H = parts[0][0].shape[:2]
     return (n, *arrays, T, H, d), (levels, idx)
 

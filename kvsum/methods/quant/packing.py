@@ -88,7 +88,6 @@ class Packed:
         self.data = pack(codes, bits)
         # the shared word table, resolved once here rather than at every decoding step
         self.table = level_table(levels, bits, str(self.data.device)) if levels else None
-        self.level_values = torch.tensor(levels, dtype=torch.float32, device=self.data.device) if levels else None
 
     def codes(self) -> Tensor:
         return unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)

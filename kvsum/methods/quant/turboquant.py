@@ -161,7 +161,7 @@ class Coded:
 
     def _native(self, rows: int) -> list | None:
         """The parts as native.py takes them, where its kernel serves them."""
-        parts = [(codes, ix) for ix, _, _, codes in self.parts]
+        parts = [(codes, ix, levels) for ix, levels, _, codes in self.parts]
         return parts if native.usable(parts, rows) else None
 
     def dot(self, qr: Tensor, norm: Tensor, scale: float) -> Tensor:
