@@ -4,8 +4,8 @@
    little-endian word of 8 * bits bits, code j at bit bits * j, stored in `bits` bytes. With c a multiple
    of 8, row (t, h) starts at byte ((t * H + h) * c / 8) * bits.
 
-   score_range: out[h, m, t] += sum_j q[h, m, j] * levels[code(t, h, j)]           (q (H, M, c), out (H, M, T))
-   mix_range:   out[h, m, j] += sum_t p[h, m, t] * norm[h, t] * levels[code(t, h, j)]  (p (H, M, T), out (H, M, c))
+   pass_range, scoring: out[h, m, t] += sum_j q[h, m, j] * levels[code(t, h, j)]      q (H, M, c), out (H, M, T)
+   pass_range, mixing:  out[h, m, j] += sum_t p[h, m, t] norm[h, t] levels[code(t, h, j)]  p (H, M, T), out (H, M, c)
 
    Eight codes are decoded at once into eight floats: one variable shift of the broadcast word, and a
    lookup in the levels held in one or two registers (up to 16 levels), or a gather beyond. Tokens are
@@ -26,7 +26,8 @@ static inline __m256 decode8(const uint8_t *src, const int bits, const __m256 lv
         uint32_t w = 0;  /* byte by byte: a 3-byte memcpy into a 4-byte word stalls store forwarding */
         for (int i = 0; i < bits; i++) w |= (uint32_t)src[i] << (8 * i);
         const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
-        idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), _mm256_set1_epi32((1 << bits) - 1));
+        idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts),
+                               _mm256_set1_epi32((1 << bits) - 1));
     } else {  /* 8 codes in 40..64 bits: codes 0-3 in the low 32 bits, codes 4-7 in the 32 after bit 4 * bits */
         uint64_t w = 0;
         for (int i = 0; i < bits; i++) w |= (uint64_t)src[i] << (8 * i);
@@ -57,11 +58,13 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* Tokens go four at a time: each query vector is loaded once for the four, and the four dot products are
-   summed across lanes together (hsum4) instead of one by one. */
-static inline __attribute__((always_inline)) void score_range(
+/* One pass over tokens [t0, t1) of a part, four tokens at a time. Scoring (mix = 0): each query vector is
+   loaded once for the four tokens, and their four dot products are summed across lanes together (hsum4).
+   Mixing (mix = 1): each output vector is loaded and stored once for the four. Fixed trip counts keep the
+   accumulators in registers: a missing token rereads row 0 with weight 0, a missing row queries 0. */
+static inline __attribute__((always_inline)) void pass_range(
         const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, const int bits,
-        const float *levels, const float *q, int64_t M, float *out) {
+        const float *levels, const float *x, const float *norm, int64_t M, float *out, const int mix) {
     __m256 lv0, lv1;
     load_levels(levels, bits, &lv0, &lv1);
     const int64_t groups = c / 8, stride = H * groups * bits; /* bytes from one token's row to the next */
@@ -71,69 +74,49 @@ static inline __attribute__((always_inline)) void score_range(
             const uint8_t *row = data + (t * H + h) * groups * bits;
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
                 const int mb = M - m0 < MB ? (int)(M - m0) : MB;
-                /* fixed trip counts keep acc in registers: missing tokens reread row 0, missing rows query 0 */
-                __m256 acc[TB][MB];
                 const uint8_t *rows[TB];
-                for (int k = 0; k < TB; k++) {
-                    rows[k] = row + (k < tb ? k : 0) * stride;
-                    for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
+                for (int k = 0; k < TB; k++) rows[k] = row + (k < tb ? k : 0) * stride;
+                if (mix) {
+                    __m256 w[TB][MB];
+                    for (int k = 0; k < TB; k++)
+                        for (int i = 0; i < MB; i++)
+                            w[k][i] = _mm256_set1_ps(k < tb && i < mb
+                                                     ? x[(h * M + m0 + i) * T + t + k] * norm[h * T + t + k] : 0.0f);
+                    for (int64_t g = 0; g < groups; g++) {
+                        __m256 acc[MB];
+                        for (int i = 0; i < MB; i++)
+                            acc[i] = i < mb ? _mm256_loadu_ps(out + (h * M + m0 + i) * c + 8 * g) : _mm256_setzero_ps();
+                        for (int k = 0; k < TB; k++) {
+                            __m256 v = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
+                            for (int i = 0; i < MB; i++) acc[i] = _mm256_fmadd_ps(w[k][i], v, acc[i]);
+                        }
+                        for (int i = 0; i < mb; i++) _mm256_storeu_ps(out + (h * M + m0 + i) * c + 8 * g, acc[i]);
+                    }
+                    continue;
                 }
-                const float *qh = q + (h * M + m0) * c;
+                __m256 acc[TB][MB];
+                for (int k = 0; k < TB; k++)
+                    for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
+                const float *qh = x + (h * M + m0) * c;
                 for (int64_t g = 0; g < groups; g++) {
                     __m256 qv[MB];
-                    for (int i = 0; i < MB; i++) qv[i] = i < mb ? _mm256_loadu_ps(qh + i * c + 8 * g) : _mm256_setzero_ps();
+                    for (int i = 0; i < MB; i++)
+                        qv[i] = i < mb ? _mm256_loadu_ps(qh + i * c + 8 * g) : _mm256_setzero_ps();
                     for (int k = 0; k < TB; k++) {
-                        __m256 x = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
-                        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(x, qv[i], acc[k][i]);
+                        __m256 v = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
+                        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(v, qv[i], acc[k][i]);
                     }
                 }
                 for (int i = 0; i < mb; i++) {
                     float *o = out + (h * M + m0 + i) * T + t;
-                    __m128 s = hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]);
+                    __m128 sum = hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]);
                     if (tb == TB) {
-                        _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), s));
+                        _mm_storeu_ps(o, _mm_add_ps(_mm_loadu_ps(o), sum));
                     } else {
                         float tmp[4];
-                        _mm_storeu_ps(tmp, s);
+                        _mm_storeu_ps(tmp, sum);
                         for (int k = 0; k < tb; k++) o[k] += tmp[k];
                     }
-                }
-            }
-        }
-    }
-}
-
-/* Four tokens per pass as well: each output vector is loaded and stored once for the four. */
-static inline __attribute__((always_inline)) void mix_range(
-        const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, const int bits,
-        const float *levels, const float *p, const float *norm, int64_t M, float *out) {
-    __m256 lv0, lv1;
-    load_levels(levels, bits, &lv0, &lv1);
-    const int64_t groups = c / 8, stride = H * groups * bits;
-    for (int64_t t = t0; t < t1; t += TB) {
-        const int tb = t1 - t < TB ? (int)(t1 - t) : TB;
-        for (int64_t h = 0; h < H; h++) {
-            const uint8_t *row = data + (t * H + h) * groups * bits;
-            for (int64_t m0 = 0; m0 < M; m0 += MB) {
-                const int mb = M - m0 < MB ? (int)(M - m0) : MB;
-                /* fixed trip counts, as in score_range: missing tokens and rows weigh 0 */
-                __m256 w[TB][MB];
-                const uint8_t *rows[TB];
-                for (int k = 0; k < TB; k++) {
-                    rows[k] = row + (k < tb ? k : 0) * stride;
-                    for (int i = 0; i < MB; i++)
-                        w[k][i] = _mm256_set1_ps(k < tb && i < mb ? p[(h * M + m0 + i) * T + t + k] * norm[h * T + t + k]
-                                                                  : 0.0f);
-                }
-                for (int64_t g = 0; g < groups; g++) {
-                    __m256 acc[MB];
-                    for (int i = 0; i < MB; i++)
-                        acc[i] = i < mb ? _mm256_loadu_ps(out + (h * M + m0 + i) * c + 8 * g) : _mm256_setzero_ps();
-                    for (int k = 0; k < TB; k++) {
-                        __m256 x = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
-                        for (int i = 0; i < MB; i++) acc[i] = _mm256_fmadd_ps(w[k][i], x, acc[i]);
-                    }
-                    for (int i = 0; i < mb; i++) _mm256_storeu_ps(out + (h * M + m0 + i) * c + 8 * g, acc[i]);
                 }
             }
         }
@@ -147,8 +130,8 @@ static inline __attribute__((always_inline)) void mix_range(
         case 4: fn(__VA_ARGS__, 4); break; case 5: fn(__VA_ARGS__, 5); break; case 6: fn(__VA_ARGS__, 6); break; \
         case 7: fn(__VA_ARGS__, 7); break; default: fn(__VA_ARGS__, 8); break; \
     }
-#define SCORE(t0, t1, B) score_range(data[i], t0, t1, T, H, c[i], B, levels[i], qp[i], M, out)
-#define MIX(t0, t1, B) mix_range(data[i], t0, t1, T, H, c[i], B, levels[i], p, norm, M, dst)
+#define SCORE(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], B, levels[i], qp[i], NULL, M, out, 0)
+#define MIX(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], B, levels[i], p, norm, M, dst, 1)
 #define MAX_PARTS 8
 
 /* A coded side of one layer: `nparts` channel parts, part i holding channels idx[i] (H, c[i]) of each head
@@ -170,7 +153,8 @@ static int gather_queries(int nparts, const uint8_t *const *idx, const int64_t *
         }
         for (int64_t h = 0; h < H; h++)
             for (int64_t m = 0; m < M; m++)
-                for (int64_t j = 0; j < c[i]; j++) qp[i][(h * M + m) * c[i] + j] = q[(h * M + m) * d + idx[i][h * c[i] + j]];
+                for (int64_t j = 0; j < c[i]; j++)
+                    qp[i][(h * M + m) * c[i] + j] = q[(h * M + m) * d + idx[i][h * c[i] + j]];
     }
     return 0;
 }
