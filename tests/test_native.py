@@ -75,7 +75,7 @@ def test_without_a_compiler_it_warns_and_falls_back(monkeypatch, tmp_path, looku
     monkeypatch.setattr(native, "_cpu_has_avx2", lambda: True)
     native.library.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="did not compile"):
+        with pytest.warns(UserWarning, match="kernel is unavailable"):
             assert native.library() is None
         state = TurboQuant(bits=3).build(torch.randn(2, 40, 32), torch.randn(2, 40, 32), 3, 0)
         q = torch.randn(1, 2, 3, 32)
@@ -83,5 +83,18 @@ def test_without_a_compiler_it_warns_and_falls_back(monkeypatch, tmp_path, looku
         monkeypatch.setenv("KVSUM_NATIVE", "0")
         native.library.cache_clear()
         assert native.library() is None  # switched off: no compile attempted, no warning
+    finally:
+        native.library.cache_clear()
+
+
+def test_an_unwritable_cache_warns_and_falls_back(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("KVSUM_CACHE", str(blocker))  # the kernel's folder would have to be inside a file
+    monkeypatch.setattr(native, "_cpu_has_avx2", lambda: True)
+    native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="kernel is unavailable"):
+            assert native.library() is None
     finally:
         native.library.cache_clear()

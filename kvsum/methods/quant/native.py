@@ -56,19 +56,19 @@ def library() -> ctypes.CDLL | None:
     # -march=native: a build is only valid on the CPU it was made for (a cache directory may be shared)
     tag = hashlib.sha256(src + " ".join([cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"codes-{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, moved in whole
-            out = Path(tmp) / target.name
-            try:
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, moved in whole
+                out = Path(tmp) / target.name
                 subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], check=True, capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                warnings.warn(f"kvsum: the packed-code kernel did not compile ({e}; {detail.decode()[:300]}); "
-                              "quantized caches use the slower PyTorch path", stacklevel=2)
-                return None
-            os.replace(out, target)
-    lib = ctypes.CDLL(str(target))
+                os.replace(out, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:  # no compiler, a failed build, an unwritable cache
+        detail = (getattr(e, "stderr", b"") or b"").decode()[:300]
+        warnings.warn(f"kvsum: the packed-code kernel is unavailable ({e}{'; ' + detail if detail else ''}); "
+                      "quantized caches use the slower PyTorch path", stacklevel=2)
+        return None
     ptrs, i64 = ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64
     head = [ctypes.c_int, ptrs, ptrs, ptrs, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_int), i64, i64, i64,
             ctypes.c_void_p, i64, ctypes.c_void_p]
