@@ -63,15 +63,17 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
    Mixing (mix = 1): each output vector is loaded and stored once for the four. Fixed trip counts keep the
    accumulators in registers: a missing token rereads row 0 with weight 0, a missing row queries 0. */
 static inline __attribute__((always_inline)) void pass_range(
-        const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, const int bits,
+        const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, int64_t pitch, const int bits,
         const float *levels, const float *x, const float *norm, int64_t M, float *out, const int mix) {
     __m256 lv0, lv1;
     load_levels(levels, bits, &lv0, &lv1);
-    const int64_t groups = c / 8, stride = H * groups * bits; /* bytes from one token's row to the next */
+    /* `pitch`: bytes from row (t, h) to row (t, h + 1), c / 8 * bits for rows of c codes; a row may also be
+       the first c codes of a longer one */
+    const int64_t groups = c / 8, stride = H * pitch; /* bytes from one token's row to the next */
     for (int64_t t = t0; t < t1; t += TB) {
         const int tb = t1 - t < TB ? (int)(t1 - t) : TB;
         for (int64_t h = 0; h < H; h++) {
-            const uint8_t *row = data + (t * H + h) * groups * bits;
+            const uint8_t *row = data + (t * H + h) * pitch;
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
                 const int mb = M - m0 < MB ? (int)(M - m0) : MB;
                 const uint8_t *rows[TB];
@@ -130,8 +132,12 @@ static inline __attribute__((always_inline)) void pass_range(
         case 4: fn(__VA_ARGS__, 4); break; case 5: fn(__VA_ARGS__, 5); break; case 6: fn(__VA_ARGS__, 6); break; \
         case 7: fn(__VA_ARGS__, 7); break; default: fn(__VA_ARGS__, 8); break; \
     }
-#define SCORE(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], B, levels[i], qp[i], NULL, M, out, 0)
-#define MIX(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], B, levels[i], p, norm, M, dst, 1)
+#define SCORE(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], c[i] / 8 * B, B, levels[i], qp[i], NULL, M, out, 0)
+#define MIX(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], c[i] / 8 * B, B, levels[i], p, norm, M, dst, 1)
+#define GROUP(t0, t1, B) pass_range(data + (b * g * d / 8) * B, t0, t1, T, 1, d, d / 8 * B, B, levels, \
+                                   qg + b * M * d, NULL, M, out + h * M * T + gi * g, 0)
+#define RUN(t0, t1, B) pass_range(data + r * ch / 8 * B, t0, t1, T, H, ch, d / 8 * B, B, levels, p, \
+                                 norms + r * H * T, M, dst, 1)
 #define MAX_PARTS 8
 
 /* A coded side of one layer: `nparts` channel parts, part i holding channels idx[i] (H, c[i]) of each head
@@ -206,6 +212,59 @@ int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *i
                 for (int64_t m = 0; m < M; m++)
                     for (int64_t j = 0; j < c[i]; j++)
                         out[(h * M + m) * d + (idx[i] ? idx[i][h * c[i] + j] : j)] += b[(h * M + m) * c[i] + j];
+        }
+    free(buf);
+    return 0;
+}
+
+/* KIVI's keys: codes (G, H, g, d), group gi of g tokens with its own per-channel scales, folded by the caller
+   into one query per group and head, qg (G, H, M, d):
+   out[h, m, gi * g + u] += sum_j qg[gi, h, m, j] * levels[code(gi, h, u, j)]   (out (H, M, T), T = G * g) */
+int kv_score_groups(const uint8_t *data, int64_t G, int64_t H, int64_t g, int64_t d, int nbits, const float *levels,
+                    const float *qg, int64_t M, float *out, int threads) {
+    if (g * d % 8 || d % 8) return -1;
+    const int64_t T = G * g;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < G * H; b++) { /* one block of g rows per (group, head), read as one head */
+        const int64_t gi = b / H, h = b % H;
+        const int bits = nbits;
+        DISPATCH(GROUP, 0, g)
+    }
+    return 0;
+}
+
+/* KIVI's values: codes (T, H, d) with a scale and a minimum per token, head and run of ch channels, norms
+   and mins (d / ch, H, T):
+   out[h, m, j] += sum_t p[h, m, t] * (norms[j / ch, h, t] * levels[code(t, h, j)] + mins[j / ch, h, t])
+   (out (H, M, d)) */
+int kv_mix_runs(const uint8_t *data, int64_t T, int64_t H, int64_t d, int64_t ch, int nbits, const float *levels,
+                const float *p, int64_t M, const float *norms, const float *mins, float *out, int threads) {
+    if (ch % 8 || d % ch) return -1;
+    const int64_t runs = d / ch, per = H * M * ch + H * M; /* a run's codes' sums, then its minimum's */
+    float *buf = calloc((size_t)threads * runs * per, sizeof(float));
+    if (!buf) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int k = 0; k < threads; k++) {
+        const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
+        const int bits = nbits;
+        for (int64_t r = 0; r < runs; r++) {
+            float *dst = buf + (k * runs + r) * per;
+            DISPATCH(RUN, t0, t1)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t m = 0; m < M; m++) {
+                    float acc = 0.0f;
+                    for (int64_t t = t0; t < t1; t++) acc += p[(h * M + m) * T + t] * mins[(r * H + h) * T + t];
+                    dst[H * M * ch + h * M + m] = acc;
+                }
+        }
+    }
+    for (int k = 0; k < threads; k++)
+        for (int64_t r = 0; r < runs; r++) {
+            const float *b = buf + (k * runs + r) * per;
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t j = 0; j < ch; j++)
+                        out[(h * M + m) * d + r * ch + j] += b[(h * M + m) * ch + j] + b[H * M * ch + h * M + m];
         }
     free(buf);
     return 0;

@@ -17,6 +17,7 @@ from torch import Tensor
 from ...errors import KVSumError
 from ...state import tensor_bytes
 from ..base import LayerInput, Method, register
+from . import native
 from .packing import Packed, packed_nbytes, pick_bits
 from .stream import QuantStream
 
@@ -103,11 +104,37 @@ class KIVIState:
         v = self.v_codes.lookup() * self.v_scale.float() + self.v_min.float()  # (n_q, H, d/ch, ch)
         return torch.cat([v.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.v_res.float()], 1)
 
+    def _native(self, rows: int) -> bool:
+        """Whether the packed-code kernel (native.py) reads the codes where they lie, for `rows` query rows per
+        KV head; elsewhere attention dequantizes every code first."""
+        return (self.n_q > 0 and 0 < rows <= native.MAX_ROWS and self.k_codes.data.device.type == "cpu"
+                and self.d % 8 == 0 and self.ch_group % 8 == 0 and native.library() is not None)
+
     def scores(self, q: Tensor, scale: float) -> Tensor:
-        return q @ self.keys().transpose(-1, -2) * scale
+        if not self._native(q.shape[2]):
+            return q @ self.keys().transpose(-1, -2) * scale
+        # k = code * scale + min per (group, channel): the scale folds into one query per group, the min into
+        # one logit per group
+        qh, G = q[0], self.n_q // self.group
+        levels = torch.arange(2 ** self.bits, dtype=torch.float32)
+        s = native.score_groups(self.k_codes, levels, qh[None] * self.k_scale.float())  # (H, M, n_q)
+        base = (qh[None] * self.k_min.float()).sum(-1).permute(1, 2, 0)  # (H, M, G)
+        s = (s.view(self.H, -1, G, self.group) + base[..., None]).view(self.H, -1, self.n_q)
+        if self.T > self.n_q:
+            s = torch.cat([s, qh @ self.k_res.float().transpose(-1, -2)], -1)
+        return (s * scale)[None]
 
     def mix(self, p: Tensor) -> Tensor:
-        return p @ self.values()
+        if not self._native(p.shape[2]):
+            return p @ self.values()
+        # v = code * scale + min per (token, run of channels), both applied inside the kernel
+        pq = p[0, :, :, :self.n_q]
+        levels = torch.arange(2 ** self.bits, dtype=torch.float32)
+        out = native.mix_runs(self.v_codes, levels, pq, self.v_scale[..., 0].permute(2, 1, 0),
+                              self.v_min[..., 0].permute(2, 1, 0))
+        if self.T > self.n_q:
+            out = out + p[0, :, :, self.n_q:] @ self.v_res.float()
+        return out[None]
 
 
 @register

@@ -74,7 +74,11 @@ def library() -> ctypes.CDLL | None:
             ctypes.c_void_p, i64, ctypes.c_void_p]
     lib.kv_score_coded.argtypes = [*head, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.kv_mix_coded.argtypes = [*head, ctypes.c_void_p, ctypes.c_int]
-    lib.kv_score_coded.restype = lib.kv_mix_coded.restype = ctypes.c_int
+    vp = ctypes.c_void_p
+    lib.kv_score_groups.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, ctypes.c_int]
+    lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, vp, vp, ctypes.c_int]
+    for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs):
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -127,4 +131,29 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int) -> Tensor:
     out = p.new_zeros(p.shape[0], p.shape[1], d)
     _check(library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), out.data_ptr(),
                                   _threads(args[6])))
+    return out
+
+
+def score_groups(codes, levels: Tensor, qg: Tensor) -> Tensor:
+    """KIVI's keys: packed codes (G, H, g, d) against one query per group and head, qg (G, H, M, d) -> (H, M, G * g):
+    sum_j qg[gi, h, m, j] levels[code(gi, h, u, j)] at token gi * g + u."""
+    G, H, g, d = codes.shape
+    qg, levels = qg.float().contiguous(), levels.float().contiguous()
+    out = qg.new_zeros(H, qg.shape[2], G * g)
+    _check(library().kv_score_groups(codes.data.data_ptr(), G, H, g, d, codes.bits, levels.data_ptr(), qg.data_ptr(),
+                                     qg.shape[2], out.data_ptr(), _threads(G * g)))
+    return out
+
+
+def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> Tensor:
+    """KIVI's values: weights p (H, M, T) over packed codes (T, H, d / ch, ch) with a scale and a minimum per token,
+    head and run of ch channels, norms and mins (d / ch, H, T) -> (H, M, d):
+    sum_t p[h, m, t] (norms[j / ch, h, t] levels[code(t, h, j)] + mins[j / ch, h, t])."""
+    T, H, runs, ch = codes.shape
+    p, levels = p.float().contiguous(), levels.float().contiguous()
+    norms, mins = norms.float().contiguous(), mins.float().contiguous()
+    out = p.new_zeros(H, p.shape[1], runs * ch)
+    _check(library().kv_mix_runs(codes.data.data_ptr(), T, H, runs * ch, ch, codes.bits, levels.data_ptr(),
+                                 p.data_ptr(), p.shape[1], norms.data_ptr(), mins.data_ptr(), out.data_ptr(),
+                                 _threads(T)))
     return out
