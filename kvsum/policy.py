@@ -8,7 +8,7 @@ compression, `new_tokens` decode steps) over the full cache's:
     than the full cache (None: never within the lengths measured);
   - `long_from`: where the long method (summarization) takes over from the middle one (low-bit
     quantization, more faithful per byte; its cost grows with the context where no kernel reads its codes
-    in place, e.g. kivi, or turboquant off AVX2): for latency="fast" where the long method's total time
+    in place, e.g. off AVX2): for latency="fast" where the long method's total time
     falls below the middle one's; for "balanced" where the middle one's exceeds the full cache's by more
     than LATENCY["balanced"] (50%); for "memory" never (quantization as long as low-bit codes reach the budget).
 Rules, for a context of T tokens and a memory budget `memory` (a fraction of the full 16-bit cache, or

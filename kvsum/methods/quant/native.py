@@ -6,7 +6,8 @@ decodes eight codes at a time in registers and multiplies them there, which is w
 faster to attend than the full one it replaces. It is compiled on first use with the machine's C compiler
 (AVX2 and FMA required) and cached beside the converted models; without a compiler, on a CPU without
 AVX2, on other devices or with KVSUM_NATIVE=0, the PyTorch path runs instead (same numbers up to float
-summation order).
+summation order). TurboQuant's rotated path (summary's code cover included) and KIVI read their codes
+through it (`score` / `mix` and `score_groups` / `mix_runs`).
 """
 
 from __future__ import annotations
