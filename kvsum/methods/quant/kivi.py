@@ -9,6 +9,7 @@ than `residual` + `group` tokens (kvsum.compress attaches the stream).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,12 @@ def minmax_codes(x: Tensor, dim: int, bits: int) -> tuple[Tensor, Tensor, Tensor
 def _ints(bits: int) -> tuple[float, ...]:
     """The integer codes as levels, so packed codes decode through one table lookup."""
     return tuple(float(i) for i in range(2 ** bits))
+
+
+@functools.lru_cache(maxsize=4)
+def _int_levels(bits: int) -> Tensor:
+    """_ints as the float32 tensor the kernel reads (a constant, shared like the codebooks)."""
+    return torch.tensor(_ints(bits), dtype=torch.float32)
 
 
 class KIVIState:
@@ -107,8 +114,8 @@ class KIVIState:
     def _native(self, rows: int) -> bool:
         """Whether the packed-code kernel (native.py) reads the codes where they lie, for `rows` query rows per
         KV head; elsewhere attention dequantizes every code first."""
-        return (self.n_q > 0 and 0 < rows <= native.MAX_ROWS and self.k_codes.data.device.type == "cpu"
-                and self.d % 8 == 0 and self.ch_group % 8 == 0 and native.library() is not None)
+        return (self.n_q > 0 and self.d % 8 == 0 and self.ch_group % 8 == 0
+                and native.serves(rows, self.k_codes, self.v_codes))
 
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if not self._native(q.shape[2]):
@@ -116,8 +123,7 @@ class KIVIState:
         # k = code * scale + min per (group, channel): the scale folds into one query per group, the min into
         # one logit per group
         qh, G = q[0], self.n_q // self.group
-        levels = torch.arange(2 ** self.bits, dtype=torch.float32)
-        s = native.score_groups(self.k_codes, levels, qh[None] * self.k_scale.float())  # (H, M, n_q)
+        s = native.score_groups(self.k_codes, _int_levels(self.bits), qh[None] * self.k_scale.float())  # (H, M, n_q)
         base = (qh[None] * self.k_min.float()).sum(-1).permute(1, 2, 0)  # (H, M, G)
         s = (s.view(self.H, -1, G, self.group) + base[..., None]).view(self.H, -1, self.n_q)
         if self.T > self.n_q:
@@ -129,8 +135,7 @@ class KIVIState:
             return p @ self.values()
         # v = code * scale + min per (token, run of channels), both applied inside the kernel
         pq = p[0, :, :, :self.n_q]
-        levels = torch.arange(2 ** self.bits, dtype=torch.float32)
-        out = native.mix_runs(self.v_codes, levels, pq, self.v_scale[..., 0].permute(2, 1, 0),
+        out = native.mix_runs(self.v_codes, _int_levels(self.bits), pq, self.v_scale[..., 0].permute(2, 1, 0),
                               self.v_min[..., 0].permute(2, 1, 0))
         if self.T > self.n_q:
             out = out + p[0, :, :, self.n_q:] @ self.v_res.float()

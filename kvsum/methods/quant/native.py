@@ -83,13 +83,18 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def serves(rows: int, *codes) -> bool:
+    """Whether the kernel runs here for `rows` query rows per KV head over these Packed codes (on the CPU)."""
+    return (0 < rows <= MAX_ROWS and all(c.data.device.type == "cpu" for c in codes)
+            and library() is not None)
+
+
 def usable(parts: list, rows: int) -> bool:
     """Whether the kernel serves a coded side: `parts` as (Packed codes (T, H, c), channel index (H, c) uint8 or
     None, levels (2**bits,) float32), for `rows` query rows per KV head."""
-    return (0 < rows <= MAX_ROWS and len(parts) <= MAX_PARTS and library() is not None
-            and all(p.data.device.type == "cpu" and len(p.shape) == 3 and p.shape[2] % 8 == 0
-                    and lv.dtype == torch.float32 and lv.numel() == 2 ** p.bits
-                    and (ix is None or ix.dtype == torch.uint8) for p, ix, lv in parts))
+    return (len(parts) <= MAX_PARTS and serves(rows, *(p for p, _, _ in parts))
+            and all(len(p.shape) == 3 and p.shape[2] % 8 == 0 and lv.dtype == torch.float32
+                    and lv.numel() == 2 ** p.bits and (ix is None or ix.dtype == torch.uint8) for p, ix, lv in parts))
 
 
 def _side(parts: list, d: int) -> tuple:
@@ -108,7 +113,7 @@ def _side(parts: list, d: int) -> tuple:
 
 def _check(status: int) -> None:
     if status:
-        raise MemoryError("kvsum: the packed-code kernel could not allocate its scratch memory")
+        raise MemoryError("kvsum: the packed-code kernel refused its input shapes or could not allocate scratch memory")
 
 
 def _threads(T: int) -> int:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
+from . import native
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -88,6 +89,8 @@ class Packed:
         self.data = pack(codes, bits)
         # the shared word table, resolved once here rather than at every decoding step
         self.table = level_table(levels, bits, str(self.data.device)) if levels else None
+        if levels:
+            native.library()  # the kernel that reads such codes is built now (once), not in a decoding step
 
     def codes(self) -> Tensor:
         return unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)

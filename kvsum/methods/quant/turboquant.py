@@ -124,7 +124,6 @@ class Coded:
             idx, widths = [None], [lo]
         self.parts = [[ix, codebook(width, d, y.device), width, None] for ix, width in zip(idx, widths)]
         self.extend(y)
-        native.library()  # built now (once per machine) rather than in the first decoding step
 
     def extend(self, y: Tensor) -> Tensor:
         """Encode directions y (H, n, d) after the current ones; returns their reconstruction (H, n, d)."""
