@@ -57,14 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     methods = {m: spec(m) for m in args.methods}
     extras = {k: v for m in methods.values() for k, v in m.prefill_options().items() if v}
-    warm = kvsum.prefill(model, ctx[:, :1024], **extras)  # long enough for every method to fit the budget
+    # long enough for every method to fit the budget
+    warm = kvsum.prefill(model, ctx[:, :1024], tokenizer=tok, **extras)
     for m in methods.values():  # once per process: codebooks, tables (a server pays this at start-up)
         try:
             kvsum.compress_prefill(warm, m, args.budget)
         except kvsum.KVSumError:  # e.g. kivi's 128 full-precision tokens do not fit 1k tokens at 0.25
             pass
     _, plain = _timed(lambda: kvsum.prefill(model, ctx), repeat=2)
-    pre = kvsum.prefill(model, ctx, **extras)
+    pre = kvsum.prefill(model, ctx, tokenizer=tok, **extras)
     # the extra prefill work, timed by itself (a difference of two 10-s prefills is mostly noise): the
     # surprisal pass (its cost depends on shapes only), and the re-read of repeat=True
     extra_s = {}

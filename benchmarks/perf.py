@@ -142,7 +142,7 @@ def part_overhead(model, tok, args, render: dict | None = None) -> None:
                 opts = _needs(name)
                 key = tuple(sorted(opts))
                 if key not in pres:
-                    pres[key] = _timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, **opts))
+                    pres[key] = _timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, tokenizer=tok, **opts))
                 pre, t_pre = pres[key]
                 try:
                     _, t_c = _timed(lambda pre=pre, name=name: kvsum.compress_prefill(pre, make_method(name),
@@ -199,7 +199,7 @@ def part_decode(model, tok, args, render: dict | None = None) -> None:
         for name in args.methods:
             opts.update(_needs(name))
         for L in args.lengths:
-            pre = kvsum.prefill(model, ids[:, :L], **opts)
+            pre = kvsum.prefill(model, ids[:, :L], tokenizer=tok, **opts)
             budgets = args.budgets if L in args.budget_lengths else [args.budget]
             caches = {("full", 1.0): kvsum.compress_prefill(pre, make_method("full"), 1.0)}
             nbytes = {}
@@ -273,7 +273,7 @@ def part_memory(model, tok, args) -> None:
         opts.update(_needs(name))
     _reset_peak()
     before, _ = _rss()
-    pre = kvsum.prefill(model, ids, **opts)
+    pre = kvsum.prefill(model, ids, tokenizer=tok, **opts)
     after, peak = _rss()
     full_bytes = pre.cache.nbytes()
     rows = [dict(method="(prefill)", length=L, cache_bytes=full_bytes, held_before=before, peak_extra=peak - before,

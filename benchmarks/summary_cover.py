@@ -7,11 +7,14 @@ rest; anchors picked by the default hybrid score or by surprisal alone); `summar
 summary keeps as TurboQuant codes (~5x the entries), beside `snapkv+turboquant` on the same bytes. Passkey
 and multi-key retrieval at 2k tokens and language-model fidelity, budgets 0.25 and 0.125. Writes
 benchmarks/results/summary_cover.{json,md}; about 20 minutes on 2 cores with the defaults.
+`--group sentence --lengths 2048 4096 --n 20` is the budget-0.125 target: summary+turboquant keeping whole
+sentences against every eviction method (about 35 minutes).
 """
 
 from __future__ import annotations
 
 from common import RESULTS, arguments, finish, start
+from summary import EVICTION
 
 from kvsum.eval import run
 
@@ -39,20 +42,27 @@ PCA = [
     ("restkv", {}, [0.125]),
 ]
 
+# --group sentence: the budget-0.125 target. summary keeps whole sentences (ranked by mean or peak surprisal) and
+# stores them as 3-bit TurboQuant codes; every eviction method beside it on the same examples and bytes
+SENTENCE = [("full", {}, [1.0]), ("summary+turboquant", dict(score="sentence"), [0.125])] + [
+    (m, {}, [0.125]) for m in EVICTION]
+GROUPS = {"main": METHODS, "pca": PCA, "sentence": SENTENCE}
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = arguments(__doc__, "summary_cover", threads=2)
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--n-lm", type=int, default=3)
     ap.add_argument("--lm-only", action="store_true", help="only the lm rows (default out: summary_cover_lm)")
-    ap.add_argument("--group", choices=("main", "pca"), default="main",
-                    help="pca: the pca-keyed cover rows (default out: summary_cover_pca)")
+    ap.add_argument("--group", choices=tuple(GROUPS), default="main",
+                    help="pca: the pca-keyed cover rows; sentence: whole-sentence anchors against every eviction "
+                         "method at 0.125 (default out: summary_cover_<group>)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048], help="retrieval context lengths")
     args = ap.parse_args(argv)
     if args.out == str(RESULTS / "summary_cover"):
-        args.out = str(RESULTS / ("summary_cover_lm" if args.lm_only else "summary_cover_pca" if args.group == "pca"
-                                  else "summary_cover"))
-    methods = PCA if args.group == "pca" else METHODS
+        args.out = str(RESULTS / ("summary_cover_lm" if args.lm_only else "summary_cover" if args.group == "main"
+                                  else f"summary_cover_{args.group}"))
+    methods = GROUPS[args.group]
     model, tok, t0 = start(args)
     rows = [] if args.lm_only else run(model, tok, ["passkey", "multikey"], methods, [], args.lengths, args.n)
     rows += run(model, tok, "lm", methods, [], [1536], args.n_lm)

@@ -123,7 +123,8 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
             for m in made.values():
                 opts = tuple(sorted(k for k, v in m.prefill_options().items() if v))
                 if opts not in pres:
-                    pres[opts], pre_s[opts] = _timed(lambda c=ctx, o=opts: prefill(model, c, **dict.fromkeys(o, True)))
+                    pres[opts], pre_s[opts] = _timed(lambda c=ctx, o=opts: prefill(model, c, tokenizer=tokenizer,
+                                                                                   **dict.fromkeys(o, True)))
             _advance(bar, f"prefill {T}")
             base = pres[()] if () in pres else prefill(model, ctx)
             caches = {"full": compress_prefill(base, make_method("full"), 1.0)}

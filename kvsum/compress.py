@@ -82,6 +82,7 @@ class Prefill:
     shape: ModelShape
     tokens: int
     surprisal: Tensor | None = None  # (T,) -log p(token | prefix) in nats; position 0 gets +inf
+    sentence_ends: Tensor | None = None  # (T,) bool, True at the tokens that end a sentence
     repeat_scores: dict[int, Tensor] | None = None  # per layer (H, T): attention received while re-reading
     rope: dict | None = None  # per-layer RoPE tables (kvsum.calibrate.rope_of), None if not of the Llama form
 
@@ -171,9 +172,26 @@ def token_surprisal(model, hidden: Tensor, input_ids: Tensor, common: int = 8192
     return out
 
 
+SENTENCE_END = ".!?\n"  # characters that end a sentence when a token's text holds one
+
+
+def sentence_ends(tokenizer, input_ids: Tensor) -> Tensor:
+    """(T,) bool: True at the tokens whose text holds one of . ! ? or a newline (they end a sentence).
+
+    The model alone cannot say where sentences end; its tokenizer can, once per distinct token id."""
+    ids = input_ids.reshape(-1)
+    if not callable(getattr(tokenizer, "batch_decode", None)):
+        raise KVSumError("tokenizer must be a transformers tokenizer (with batch_decode), "
+                         f"got {type(tokenizer).__name__}")
+    uniq, inv = ids.cpu().unique(return_inverse=True)
+    texts = tokenizer.batch_decode(uniq[:, None].tolist())
+    ends = torch.tensor([any(c in t for c in SENTENCE_END) for t in texts], dtype=torch.bool)
+    return ends[inv].to(ids.device)
+
+
 @torch.no_grad()
 def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surprisal: bool = False,
-            repeat: bool = False) -> Prefill:
+            repeat: bool = False, sentences: bool = False, tokenizer=None) -> Prefill:
     """Run the prompt once through the model, keeping the full cache and the reference queries.
 
     With `surprisal`, the final hidden states are also turned into each token's surprisal (one pass of the
@@ -182,8 +200,13 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
     With `repeat` (the richer, costlier mode), the model then reads the context a second time on top of
     its cache and every context key is scored by the attention it receives while being re-read (what a
     future question that needs it would do); the re-read is cropped off the cache afterwards.
+    With `sentences`, the `tokenizer` marks the tokens that end a sentence (methods keep whole sentences).
     """
     input_ids = check_ids(model, input_ids)
+    if sentences and tokenizer is None:
+        raise KVSumError("this method keeps whole sentences and needs the model's tokenizer to find them: "
+                         "pass tokenizer= to kvsum.compress (or kvsum.prefill)")
+    ends = sentence_ends(tokenizer, input_ids[0]) if sentences else None
     use_kvsum_attention(model)
     shape = ModelShape.of(model)
     T = input_ids.shape[1]
@@ -204,7 +227,7 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
             layer.record_past = False
         scores = rs.scores
     cache.reference_nbytes, cache.budget_reference_nbytes = shape.reference_nbytes(T)
-    return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, scores,
+    return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, ends, scores,
                    rope_of(model, shape.head_dim, shape.n_layers))
 
 
@@ -267,7 +290,8 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
             keys=layer.keys[0].float(), values=layer.values[0].float(),
             queries=pre.queries.get(i) if method.needs_queries else None,
             query_pos=pre.query_pos, scale=s.scales[i], layer_idx=i, n_layers=s.n_layers, surprisal=pre.surprisal,
-            key_scores=pre.repeat_scores.get(i) if pre.repeat_scores else None, rope=layer_rope(pre.rope, i),
+            sentence_ends=pre.sentence_ends, key_scores=pre.repeat_scores.get(i) if pre.repeat_scores else None,
+            rope=layer_rope(pre.rope, i),
             budget_bytes=budget * layer_full, storage=storage_dtype))
     fractions = method.layer_budgets(inputs, budget)
     states = []
@@ -297,7 +321,7 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
 
 def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: float = 0.25, *,
              attention_mask: Tensor | None = None, storage_dtype: torch.dtype = torch.float16, policy=None,
-             **knobs) -> Cache:
+             tokenizer=None, **knobs) -> Cache:
     """Prefill `input_ids` and return a kvsum.Cache holding at most `budget` of the full 16-bit bytes.
 
     `input_ids` is (1, T), or a batch (B, T) left padded with its `attention_mask`: every sequence is
@@ -306,19 +330,21 @@ def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: fl
     sequence what it gets alone. Method knobs are keyword arguments (`sinks=4` for streaming_llm);
     `kvsum.methods()` lists methods. With `policy` (a kvsum.Policy), the policy picks the method and budget
     for this context length (the full cache below its measured break-even); `cache.decision` says why.
+    `tokenizer` is needed by methods that keep whole sentences (summary's score="sentence").
     """
     if policy is not None:
-        return policy.compress(model, input_ids, storage_dtype=storage_dtype, **knobs)
+        return policy.compress(model, input_ids, storage_dtype=storage_dtype, tokenizer=tokenizer, **knobs)
     m = make_method(method, **knobs)
     budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)  # fail before the prefill
     input_ids = check_ids(model, input_ids, batch=True)
     mask = None if attention_mask is None else check_attention_mask(attention_mask, input_ids)
     B, T = input_ids.shape
     if B == 1 and (mask is None or bool(mask.all())):
-        return compress_prefill(prefill(model, input_ids, **m.prefill_options()), m, budget, storage_dtype,
-                                consume=True)
+        pre = prefill(model, input_ids, tokenizer=tokenizer, **m.prefill_options())
+        return compress_prefill(pre, m, budget, storage_dtype, consume=True)
     lengths = [T] * B if mask is None else mask.sum(1).tolist()
-    caches = [compress_prefill(prefill(model, input_ids[b:b + 1, T - n:], **m.prefill_options()), m, budget,
+    caches = [compress_prefill(prefill(model, input_ids[b:b + 1, T - n:], tokenizer=tokenizer, **m.prefill_options()),
+                               m, budget,
                                storage_dtype, consume=True) for b, n in enumerate(lengths)]
     out = Cache.stack(caches, T)
     for i, layer in enumerate(out.layers):  # quantizers keep quantizing each sequence's generated tokens

@@ -49,7 +49,7 @@ def run_demo(model, tok, method: str | None = None, budget: float = 0.25, tokens
     m, full = make_method(method, **knobs), make_method("full")
     ctx, cues = _document(tok, tokens)
     t = time.perf_counter()
-    pre = prefill(model, ctx, **m.prefill_options())
+    pre = prefill(model, ctx, tokenizer=tok, **m.prefill_options())
     prefill_s = time.perf_counter() - t
     t = time.perf_counter()
     compress_prefill(pre, m, budget)

@@ -189,7 +189,7 @@ def generate(model, tokenizer, context, question: str = "", policy: Policy | Non
             cache = gen["past_key_values"] = DynamicCache()
         out = model.generate(ids, **gen)
     else:
-        cache = policy.compress(model, ctx)
+        cache = policy.compress(model, ctx, tokenizer=tokenizer)
         out = model.generate(ids, past_key_values=cache, **gen)
     if cache is not None:
         cache.decision = d

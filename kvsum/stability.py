@@ -249,7 +249,7 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
                                 res = precision_floor(model, ids, settings.new_tokens, dt in settings.onepass)
                             else:
                                 if pre is None:
-                                    pre = prefill(model, ids[:, :-1], **opts)
+                                    pre = prefill(model, ids[:, :-1], tokenizer=tok, **opts)
                                     ref = _full_ref(model, pre, ids, settings.new_tokens)
                                 res = method_vs_full(model, pre, ids, settings.new_tokens, name, knobs,
                                                      settings.budget, ref)

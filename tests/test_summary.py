@@ -236,3 +236,76 @@ def test_hadamard_cover_holds_d_sign_bytes_where_the_dense_rotation_does_not_fit
 def test_cover_beyond_the_budget_is_a_clear_error(tiny, ids):
     with pytest.raises(kvsum.KVSumError, match="cover"):
         kvsum.compress(tiny, ids, method="summary", budget=0.1, cover_bits=2)
+
+
+class _CharTokenizer:
+    """Token id i is the i-th character of `chars` (enough to mark sentence ends)."""
+
+    chars = "abcdefgh .!?\n"
+
+    def batch_decode(self, ids):
+        return ["".join(self.chars[i] for i in row) for row in ids]
+
+
+def test_sentence_ends_marks_tokens_holding_an_end_character():
+    from kvsum.compress import sentence_ends
+
+    ids = torch.tensor([0, 1, 9, 2, 10, 12, 3, 11, 4, 8])  # a b . c ! \n d ? e space
+    assert sentence_ends(_CharTokenizer(), ids).tolist() == [False, False, True, False, True, True, False, True,
+                                                             False, False]
+    with pytest.raises(kvsum.KVSumError, match="tokenizer"):
+        sentence_ends(object(), ids)
+
+
+def test_sentence_score_keeps_or_drops_whole_sentences():
+    """Every token of a sentence gets one score: a sentence ranks by the better of its mean surprisal and its
+    peak, so a fact whose value is unsurprising ranks with its surprising word; a stretch longer than
+    MAX_SENTENCE without a sentence end is cut into pieces ranked apart."""
+    from kvsum.methods.summary.summary import MAX_SENTENCE
+
+    T = 2 * MAX_SENTENCE + 60
+    x = _layer_input(T=T)
+    s = torch.full((T,), 1.0)
+    s[0] = float("inf")
+    s[1:5] = 0.5  # sentence [0, 5): position 0 (no surprisal) ranks it with the most surprising
+    s[5:20] = 0.3
+    s[8] = 9.0  # sentence [5, 20): one surprising word, the rest (the "digits") low: mean below every other
+    s[20:30] = 4.0  # sentence [20, 30): the highest mean (4.0), peak 4.0
+    ends = torch.zeros(T, dtype=torch.bool)
+    ends[[4, 19, 29]] = True  # then one long stretch [30, T) without an end
+    s[30 + MAX_SENTENCE + 3] = 5.0  # in the long stretch's second piece only
+    x.surprisal, x.sentence_ends = s, ends
+    m = make_method("summary", score="sentence")
+    score = m._sentences(x)
+    pieces = [(0, 5), (5, 20), (20, 30), (30, 30 + MAX_SENTENCE), (30 + MAX_SENTENCE, 30 + 2 * MAX_SENTENCE)]
+    for a, b in pieces:
+        assert torch.all(score[a:b] == score[a])  # whole sentences
+    first, fact, dense, long1, long2 = (float(score[a]) for a, _ in pieces)
+    # the fact by its peak, the dense sentence by its mean, the piece holding 5.0 above the flat one
+    assert min(first, fact, dense) > long2 > long1
+    x.sentence_ends = None
+    with pytest.raises(kvsum.KVSumError, match="tokenizer"):
+        m._sentences(x)
+
+
+def test_sentence_score_needs_the_tokenizer(tiny, ids):
+    with pytest.raises(kvsum.KVSumError, match="tokenizer="):
+        kvsum.compress(tiny, ids, method="summary", budget=0.25, score="sentence")
+    tok = _CharTokenizer()
+    small = ids % len(tok.chars)
+    cache = kvsum.compress(tiny, small, method="summary", budget=0.25, score="sentence", tokenizer=tok)
+    assert cache.nbytes() <= 0.27 * cache.reference_nbytes
+
+
+@pytest.mark.model
+def test_whole_sentences_keep_facts_on_smollm2(smollm2):
+    """On the bundled model, at budget 0.125: with whole-sentence anchors summary+turboquant answers multi-key
+    questions that single-token surprisal anchors lose (the fact survives without its digits)."""
+    from kvsum.eval import run
+
+    model, tok = smollm2
+    specs = [("summary+turboquant", dict(score=s), [0.125]) for s in ("sentence", "surprisal")]
+    rows = run(model, tok, "multikey", specs, [], [1024], n=4, progress=False)
+    sentence, surprisal = (r["score"] for r in rows)
+    assert all(r["ratio"] <= 0.125 + 0.02 for r in rows)
+    assert sentence >= 50 and sentence > surprisal, (sentence, surprisal)

@@ -90,7 +90,7 @@ def prefill_example(model, tokenizer, t: Task, ex: Example, configs) -> tuple:
     (prefill, prefill seconds, reference: the full cache's forced logits and targets, or its score)."""
     t0 = time.perf_counter()
     opts = {k: v for name, knobs, _ in configs for k, v in make_method(name, **knobs).prefill_options().items() if v}
-    pre = prefill(model, ex.context_ids.to(model.device), **opts)
+    pre = prefill(model, ex.context_ids.to(model.device), tokenizer=tokenizer, **opts)
     prefill_s = time.perf_counter() - t0
     ref_cache = compress_prefill(pre, make_method("full"), 1.0)
     if t.kind == "lm":

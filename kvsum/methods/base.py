@@ -31,6 +31,7 @@ class LayerInput:
     budget_bytes: float  # what this layer may hold
     storage: torch.dtype  # dtype of stored entries
     surprisal: Tensor | None = None  # (T,) -log p(token | prefix), +inf at position 0
+    sentence_ends: Tensor | None = None  # (T,) bool, True at tokens that end a sentence (prefill(sentences=True))
     key_scores: Tensor | None = None  # (H, T) attention received while re-reading (prefill(repeat=True))
     rope: dict | None = None  # this layer's Llama-form RoPE {inv_freq, scaling}, for methods that un-rotate keys
 

@@ -69,11 +69,11 @@ def _request_full(model, ids, new: int) -> float:
 
 
 @torch.no_grad()
-def _request(model, ids, new: int, name: str, knobs: dict, budget: float) -> tuple[float, float]:
+def _request(model, tokenizer, ids, new: int, name: str, knobs: dict, budget: float) -> tuple[float, float]:
     """Seconds for one request with the method always on: kvsum prefill, compress, `new` tokens; and the ratio."""
     method = make_method(name, **knobs)
     t0 = time.perf_counter()
-    pre = prefill(model, ids[:, :-1], **{k: v for k, v in method.prefill_options().items() if v})
+    pre = prefill(model, ids[:, :-1], tokenizer=tokenizer, **{k: v for k, v in method.prefill_options().items() if v})
     cache = compress_prefill(pre, method, budget, consume=True)
     _decode(model, ids[:, -1:], cache, new)
     return time.perf_counter() - t0, cache.nbytes() / cache.reference_nbytes
@@ -97,7 +97,7 @@ def throughput(model, tokenizer, model_name: str, specs, budget: float, lengths:
                 _request_full(model, ids[:, :16], 2)  # warm-up
                 full = min(_request_full(model, ids, new) for _ in range(2))
                 try:
-                    secs, ratio = min(_request(model, ids, new, name, knobs, budget) for _ in range(2))
+                    secs, ratio = min(_request(model, tokenizer, ids, new, name, knobs, budget) for _ in range(2))
                 except Exception as e:
                     _failed(store, fields, errors, f"throughput {length} {name}", e)
                     if on_unit:
@@ -165,7 +165,7 @@ def _baseline(model, tokenizer, length: int, specs) -> dict:
     del out
     opts = {k: v for name, knobs in specs for k, v in make_method(name, **knobs).prefill_options().items() if v}
     t0 = time.perf_counter()
-    pre = prefill(model, ids[:, :-1], **opts)
+    pre = prefill(model, ids[:, :-1], tokenizer=tokenizer, **opts)
     return dict(ids=ids, pre=pre, prefill_s=prefill_s, kvsum_prefill_s=time.perf_counter() - t0, full_step=full_step)
 
 

@@ -2,7 +2,8 @@
 
 Per head the byte budget is split by a fixed, explainable rule:
   - anchors (`anchor_share` of the bytes): exact entries; the attention sinks, the recent window and the
-    tokens of highest entropy-weighted attention mass (mass received from sharp reference rows);
+    tokens of highest entropy-weighted attention mass (mass received from sharp reference rows), or of highest
+    surprisal (score="surprisal"), or whole sentences ranked by surprisal (score="sentence");
   - low-rank tier (`lowrank_share`): the next most important tokens, kept as rank-r coefficients on the
     head's own SVD bases, r as large as the share allows (up to `max_rank`);
   - summaries (the rest): the remaining tokens, in position order, are cut into chunks of consecutive
@@ -44,7 +45,8 @@ def _rank(score):
     return r
 
 
-SCORES = ("hybrid", "surprisal", "repeat", "sharp_mass", "max", "mass")
+SCORES = ("hybrid", "surprisal", "sentence", "repeat", "sharp_mass", "max", "mass")
+MAX_SENTENCE = 64  # tokens: a longer stretch without a sentence end is cut into pieces of this length
 
 
 @register
@@ -62,7 +64,7 @@ class Summary(Method):
     refit: bool = True  # fit biases and values; off = representatives as they are
     key_mode: str = "max"  # summary key: "max" (most attended real key) or "mean" (mass-weighted mean)
     ridge: float = 1.0
-    score: str = "hybrid"  # anchor score: "surprisal", or from attention: "sharp_mass", "max", "mass"
+    score: str = "hybrid"  # anchor score: "surprisal", "sentence", or from attention: "sharp_mass", "max", "mass"
     max_refs: int = 384  # reference query rows per KV head used by the fits
     span: int = 9  # average the token score over a span of neighbours: facts are spans of tokens
     cover_share: float = 0.0  # bytes of the low-rank cover of every non-anchor token (cover.py)
@@ -92,7 +94,8 @@ class Summary(Method):
                                         rotation=self.cover_rotation) if self.cover_bits else None)
 
     def prefill_options(self) -> dict:
-        return {"surprisal": self.score in ("hybrid", "surprisal"), "repeat": self.score == "repeat"}
+        return {"surprisal": self.score in ("hybrid", "surprisal", "sentence"), "repeat": self.score == "repeat",
+                "sentences": self.score == "sentence"}
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         self._shift = {}
@@ -173,6 +176,8 @@ class Summary(Method):
             return -torch.minimum(_rank(p), _rank(self._surprisal(x)))  # kept as soon as either ranking wants it
         if self.score == "surprisal":
             return self._surprisal(x)
+        if self.score == "sentence":
+            return self._sentences(x)
         if self.score == "repeat":
             if x.key_scores is None:
                 raise KVSumError("score='repeat' needs kvsum.prefill(..., repeat=True) (kvsum.compress asks for it)")
@@ -194,6 +199,30 @@ class Summary(Method):
             s = torch.nn.functional.avg_pool1d(s[None, None], self.span, 1, self.span // 2,
                                                count_include_pad=False)[0, 0, :x.T]
         return s
+
+    def _sentences(self, x: LayerInput):
+        """Whole sentences ranked by their surprisal: a sentence is kept as soon as its mean (information per
+        token kept) or its peak (one token the model could not guess) ranks it, like "hybrid".
+
+        A fact's digits carry less surprisal than the prose around them; scored alone they rank below the
+        cut and the fact survives without its value. A fact stated in a template seen before has a low mean
+        but still a surprising word. Sentences end at tokens holding . ! ? or a newline."""
+        if x.sentence_ends is None:
+            raise KVSumError("score='sentence' needs sentence ends: kvsum.compress(..., tokenizer=tokenizer)")
+        if x.surprisal is None:
+            raise KVSumError("score='sentence' needs the prefill's token surprisal (kvsum.prefill computes it)")
+        s = x.surprisal.clone()
+        s[0] = s[1:].max() if x.T > 1 else 0.0
+        ends = x.sentence_ends.to(s.device)
+        pos = torch.arange(x.T, device=s.device)
+        start = torch.cat([pos.new_zeros(1), pos[:-1][ends[:-1]] + 1])  # first token of every sentence
+        sent = torch.bucketize(pos, start, right=True) - 1
+        piece = sent * x.T + (pos - start[sent]) // MAX_SENTENCE  # long sentences cut into pieces
+        seg = torch.unique_consecutive(piece, return_inverse=True)[1]
+        n = int(seg[-1]) + 1
+        mean = s.new_zeros(n).index_add(0, seg, s) / s.new_zeros(n).index_add(0, seg, torch.ones_like(s))
+        peak = s.new_full((n,), -float("inf")).scatter_reduce(0, seg, s, "amax")
+        return -torch.minimum(_rank(mean), _rank(peak))[seg]
 
     def _head(self, x: LayerInput, h: int, budget: int, elem: int, anchors_only: bool = False):
         T, d = x.T, x.d
