@@ -1,7 +1,8 @@
 """What compression costs on this machine, as ratios measured in one run.
 
 For each method at one context length: compression time over plain prefill time (compress_prefill,
-plus the extra prefill work the method asks for: the surprisal pass, the re-read of repeat=True; each
+plus the extra prefill work the method asks for: the surprisal pass, the sentence ends, the re-read of
+repeat=True; each
 method is warmed up once first, as a server computes its codebooks once), and the decode-step time
 with the compressed cache over the full cache, paired step by step (common.paired_decode). Writes
 benchmarks/results/cost.{json,md}.
@@ -19,7 +20,7 @@ import torch
 from common import paired_decode, paired_medians, parse_method
 
 import kvsum
-from kvsum.compress import token_surprisal
+from kvsum.compress import sentence_ends, token_surprisal
 from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
 from kvsum.methods.base import make_method
@@ -67,12 +68,14 @@ def main(argv: list[str] | None = None) -> None:
     _, plain = _timed(lambda: kvsum.prefill(model, ctx), repeat=2)
     pre = kvsum.prefill(model, ctx, tokenizer=tok, **extras)
     # the extra prefill work, timed by itself (a difference of two 10-s prefills is mostly noise): the
-    # surprisal pass (its cost depends on shapes only), and the re-read of repeat=True
+    # surprisal pass (its cost depends on shapes only), the sentence ends, and the re-read of repeat=True
     extra_s = {}
     if extras.get("surprisal"):
         hidden = torch.randn(1, ctx.shape[1], model.config.hidden_size)
         with torch.no_grad():
             extra_s["surprisal"] = _timed(lambda: token_surprisal(model, hidden, ctx), repeat=3)[1]
+    if extras.get("sentences"):  # the tokenizer decodes each distinct token id once
+        extra_s["sentences"] = _timed(lambda: sentence_ends(tok, ctx[0]), repeat=3)[1]
     if extras.get("repeat"):
         extra_s["repeat"] = max(_timed(lambda: kvsum.prefill(model, ctx, repeat=True))[1] - plain, 0.0)
     rows, caches = [], [kvsum.compress_prefill(pre, make_method("full"), 1.0)]

@@ -75,6 +75,7 @@ class Composed(Method):
             raise KVSumError(f"{self.name}: bits={self.bits!r} is not supported; accepted: "
                              f"{', '.join(map(str, supported))}")
         self._storage = {}
+        self._ragged = False  # whether the first method kept ragged heads (EntryState's head index then costs)
 
     def prefill_options(self) -> dict:
         return self.first.prefill_options()
@@ -83,10 +84,12 @@ class Composed(Method):
         return self.first.layer_budgets(inputs, budget)  # the first method's shape over layers, in total bytes
 
     def _quant_nbytes(self, x: LayerInput, n: int, bias: bool) -> int:
-        """Bytes of n quantized entries per head (with fp16 biases)."""
+        """Bytes of n quantized entries per head (with fp16 biases, and a head index per entry where the first
+        method kept ragged heads in the previous layer: summary's entropy allocation does in every layer)."""
         q = self.quant
         inner = q.nbytes(x.H, n, x.d, self.bits, x.storage) if q.name == "kivi" else q.nbytes(x.H, n, x.d, self.bits)
-        return inner + 2 * x.H * n * bias
+        index = (1 if x.H <= 127 else 2) if self._ragged else 0
+        return inner + (2 * bias + index) * x.H * n
 
     def _target(self, x: LayerInput, bias: bool) -> int:
         """The first method's budget: the 16-bit bytes of the most entries per head whose quantized bytes fit."""
@@ -114,6 +117,8 @@ class Composed(Method):
                 raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
                                  "entries can be quantized (for summary: lowrank_share=0)")
             state = self.quantize(kept, x)
+            if not kept.uniform and not self._ragged:  # count the head index from now on (see _quant_nbytes)
+                self._ragged = True
             if bias and kept.bias is None:
                 bias, target = False, self._target(x, False)
                 continue
