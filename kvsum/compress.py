@@ -344,8 +344,7 @@ def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: fl
         return compress_prefill(pre, m, budget, storage_dtype, consume=True)
     lengths = [T] * B if mask is None else mask.sum(1).tolist()
     caches = [compress_prefill(prefill(model, input_ids[b:b + 1, T - n:], tokenizer=tokenizer, **m.prefill_options()),
-                               m, budget,
-                               storage_dtype, consume=True) for b, n in enumerate(lengths)]
+                               m, budget, storage_dtype, consume=True) for b, n in enumerate(lengths)]
     out = Cache.stack(caches, T)
     for i, layer in enumerate(out.layers):  # quantizers keep quantizing each sequence's generated tokens
         streams = [c.layers[i].stream for c in caches]

@@ -191,13 +191,18 @@ class Summary(Method):
 
     def _surprisal(self, x: LayerInput):
         """Token surprisal averaged over a span of `span` neighbours (facts are spans)."""
+        s = self._token_surprisal(x)
+        if self.span > 1:
+            s = torch.nn.functional.avg_pool1d(s[None, None], self.span, 1, self.span // 2,
+                                               count_include_pad=False)[0, 0, :x.T]
+        return s
+
+    def _token_surprisal(self, x: LayerInput):
+        """Token surprisal, position 0 (which has none) ranked with the most surprising."""
         if x.surprisal is None:
             raise KVSumError(f"score={self.score!r} needs the prefill's token surprisal (kvsum.prefill computes it)")
         s = x.surprisal.clone()
         s[0] = s[1:].max() if x.T > 1 else 0.0
-        if self.span > 1:
-            s = torch.nn.functional.avg_pool1d(s[None, None], self.span, 1, self.span // 2,
-                                               count_include_pad=False)[0, 0, :x.T]
         return s
 
     def _sentences(self, x: LayerInput):
@@ -209,10 +214,7 @@ class Summary(Method):
         but still a surprising word. Sentences end at tokens holding . ! ? or a newline."""
         if x.sentence_ends is None:
             raise KVSumError("score='sentence' needs sentence ends: kvsum.compress(..., tokenizer=tokenizer)")
-        if x.surprisal is None:
-            raise KVSumError("score='sentence' needs the prefill's token surprisal (kvsum.prefill computes it)")
-        s = x.surprisal.clone()
-        s[0] = s[1:].max() if x.T > 1 else 0.0
+        s = self._token_surprisal(x)
         ends = x.sentence_ends.to(s.device)
         pos = torch.arange(x.T, device=s.device)
         start = torch.cat([pos.new_zeros(1), pos[:-1][ends[:-1]] + 1])  # first token of every sentence
