@@ -2,8 +2,7 @@
 
 For each method at one context length: compression time over plain prefill time (compress_prefill,
 plus the extra prefill work the method asks for: the surprisal pass, the sentence ends, the re-read of
-repeat=True; each
-method is warmed up once first, as a server computes its codebooks once), and the decode-step time
+repeat=True; each method is warmed up once first, as a server computes its codebooks once), and the decode-step time
 with the compressed cache over the full cache, paired step by step (common.paired_decode). Writes
 benchmarks/results/cost.{json,md}.
 """

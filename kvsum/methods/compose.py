@@ -81,11 +81,13 @@ class Composed(Method):
         return self.first.prefill_options()
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        self._ragged = False  # once per prompt: a prompt's result does not depend on the prompts before it
         return self.first.layer_budgets(inputs, budget)  # the first method's shape over layers, in total bytes
 
     def _quant_nbytes(self, x: LayerInput, n: int, bias: bool) -> int:
         """Bytes of n quantized entries per head (with fp16 biases, and a head index per entry where the first
-        method kept ragged heads in the previous layer: summary's entropy allocation does in every layer)."""
+        method kept ragged heads in an earlier layer of this prompt: summary's entropy allocation does in every
+        layer, so only the first layer is compressed twice)."""
         q = self.quant
         inner = q.nbytes(x.H, n, x.d, self.bits, x.storage) if q.name == "kivi" else q.nbytes(x.H, n, x.d, self.bits)
         index = (1 if x.H <= 127 else 2) if self._ragged else 0

@@ -131,7 +131,8 @@ class Summary(Method):
             per_head = split_by_weight(left, 0.5 + diffuse[x.layer_idx], 0, left)
         else:
             per_head = [left // x.H] * x.H
-        heads = [self._head(x, h, per_head[h], elem, anchors_only=cover is not None) for h in range(x.H)]
+        info = self._information(x)  # the same for every head: computed once per layer
+        heads = [self._head(x, h, per_head[h], elem, info, anchors_only=cover is not None) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
             for h, (a, _, _) in enumerate(heads):
@@ -164,8 +165,16 @@ class Summary(Method):
                     cover_bytes(x.T, x.H, x.d, rk, rv, elem))
         return None, 0
 
-    def _importance(self, x: LayerInput, q, pos, h: int):
-        """Anchor score per token: surprisal averaged over a span, or a statistic of reference attention.
+    def _information(self, x: LayerInput):
+        """The head-independent part of the anchor score: surprisal spans ("hybrid", "surprisal") or whole
+        sentences ("sentence"); None for the scores read from attention."""
+        if self.score in ("hybrid", "surprisal"):
+            return self._surprisal(x)
+        return self._sentences(x) if self.score == "sentence" else None
+
+    def _importance(self, x: LayerInput, q, pos, h: int, info):
+        """Anchor score per token (a new tensor): `info` (surprisal spans or sentences), or a statistic of
+        reference attention.
 
         "hybrid" interleaves two rankings: attention of the observation window (what the next tokens
         read) and surprisal spans (information the model cannot rebuild from context)."""
@@ -173,11 +182,9 @@ class Summary(Method):
             win = pos >= x.T - 64
             p = torch.softmax(causal_logits(q[win], pos[win], x.keys[h], x.scale), -1).mean(0)
             p = torch.nn.functional.avg_pool1d(p[None, None], 5, 1, 2, count_include_pad=False)[0, 0, :x.T]
-            return -torch.minimum(_rank(p), _rank(self._surprisal(x)))  # kept as soon as either ranking wants it
-        if self.score == "surprisal":
-            return self._surprisal(x)
-        if self.score == "sentence":
-            return self._sentences(x)
+            return -torch.minimum(_rank(p), _rank(info))  # kept as soon as either ranking wants it
+        if info is not None:
+            return info.clone()
         if self.score == "repeat":
             if x.key_scores is None:
                 raise KVSumError("score='repeat' needs kvsum.prefill(..., repeat=True) (kvsum.compress asks for it)")
@@ -226,11 +233,11 @@ class Summary(Method):
         peak = s.new_full((n,), -float("inf")).scatter_reduce(0, seg, s, "amax")
         return -torch.minimum(_rank(mean), _rank(peak))[seg]
 
-    def _head(self, x: LayerInput, h: int, budget: int, elem: int, anchors_only: bool = False):
+    def _head(self, x: LayerInput, h: int, budget: int, elem: int, info=None, anchors_only: bool = False):
         T, d = x.T, x.d
         entry = (2 * d + int(not anchors_only)) * elem  # key + value (+ the bias slot summaries need)
         q, pos = group_queries(x, h, self.max_refs)
-        importance = self._importance(x, q, pos, h)
+        importance = self._importance(x, q, pos, h, info)
         # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
         n_anchor = min(T, int(budget * (1.0 if anchors_only else self.anchor_share)) // entry)
         lr_bytes = int(budget * self.lowrank_share)
