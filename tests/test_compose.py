@@ -8,6 +8,7 @@ from kvsum.methods.base import LayerInput, make_method
 from kvsum.state import EntryState
 
 from .conftest import tiny_llama
+from .test_native import SERVED
 
 
 @pytest.mark.parametrize("name,budget,knobs", [("summary+turboquant", 0.125, {}), ("summary+turboquant", 0.0625, {}),
@@ -46,6 +47,8 @@ def test_ragged_composed_state_attends_exactly_over_its_dequantized_entries():
         torch.testing.assert_close(s.logsumexp(-1), s_ref.logsumexp(-1), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(state.mix(s.softmax(-1)), ref.mix(s_ref.softmax(-1)), atol=1e-4, rtol=1e-4)
         assert (torch.isfinite(s).sum(-1) == torch.tensor(lengths).view(1, H, 1)).all()  # each head sees its own
+        if name == "summary+turboquant" and SERVED:  # the kernel reads each head's run: (1, H, M, longest run)
+            assert s.shape == (1, H, 5, max(lengths))
         assert state.nbytes() == inner.nbytes() + 2 * sum(lengths) + sum(lengths)  # fp16 bias, int8 head index
 
 

@@ -69,6 +69,39 @@ def test_kernel_reads_wide_codes(bits):
     assert _rel(o, (p * norm[:, None, :]) @ table) < 1e-5
 
 
+@pytest.mark.skipif(not SERVED, reason="needs a CPU with AVX2 and a C compiler")
+@pytest.mark.parametrize("bits", [3, 3.5, 5])
+@pytest.mark.parametrize("lengths,threads", [([40, 0, 25, 9], 2), ([1, 300], 1), ([0, 17], 2)])
+def test_kernel_reads_runs_of_one_head(bits, lengths, threads):
+    """A one-head store of several heads' entries (composition's ragged heads): query head h against its own run
+    only, plus `add`, -inf past the run's end, and the mix reads each run with its own head's weights."""
+    torch.manual_seed(len(lengths))
+    T, H, d, M = sum(lengths), len(lengths), 32, 3
+    state = TurboQuant(bits=bits).build(torch.randn(1, T, d), torch.randn(1, T, d), bits, 0)
+    parts = state.k._native(M)
+    runs = torch.tensor([0, *lengths]).cumsum(0)
+    q, add = torch.randn(H, M, d), torch.randn(T)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        s = native.score(parts, q, state.k_norm, 0.5, add, runs)
+        p = torch.rand(H, M, max(lengths))
+        o = native.mix(state.v._native(M), p, state.v_norm, d, runs)
+    finally:
+        torch.set_num_threads(before)
+    assert s.shape == (H, M, max(lengths)) and o.shape == (H, M, d)
+    keys, values = state.k.lookup()[0], state.v.lookup()[0]  # (T, d) rotated unit directions
+    kn, vn = state.k_norm[0].float(), state.v_norm[0].float()
+    for h, (a, n) in enumerate(zip(runs[:-1].tolist(), lengths)):
+        ref = 0.5 * kn[a:a + n] * (q[h] @ keys[a:a + n].t()) + add[a:a + n]
+        assert (s[h, :, n:] == float("-inf")).all()
+        if n:
+            assert _rel(s[h, :, :n], ref) < 1e-5
+            assert _rel(o[h], (p[h, :, :n] * vn[a:a + n]) @ values[a:a + n]) < 1e-5
+    with pytest.raises(ValueError, match="do not split"):
+        native.score(parts, q, state.k_norm, 0.5, None, runs[:-1])
+
+
 def test_without_a_compiler_it_warns_and_falls_back(monkeypatch, tmp_path, lookup_path):
     monkeypatch.setenv("KVSUM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

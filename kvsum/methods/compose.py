@@ -28,11 +28,17 @@ DEFAULT_BITS = {"turboquant": 3, "kivi": 2}
 
 class ComposedState:
     """Kept entries (all heads) quantized as one state, with fp16 biases. Equal lengths per head: the
-    quantizer sees (H, n, d). Ragged lengths: it sees the packed entries as one head (1, N, d), every
-    query is scored against all of them and other heads' entries are masked, as EntryState does."""
+    quantizer sees (H, n, d). Ragged lengths: it sees the packed entries as one head (1, N, d). Where it
+    can read them in runs (TurboQuant through the kernel), head h's queries score its own run only,
+    (1, H, M, longest run); otherwise every query is scored against all N entries and other heads' entries
+    are masked, as EntryState does (H times the reads: at 4k tokens, 3.5x slower for SmolLM2)."""
 
     def __init__(self, inner, lengths: list[int], bias: Tensor | None, head_of: Tensor | None):
         self.inner, self._lengths, self.bias, self.head_of = inner, list(lengths), bias, head_of
+        self._runs = torch.tensor([0, *lengths]).cumsum(0) if head_of is not None else None  # offsets, metadata
+
+    def _by_run(self, rows: int) -> bool:
+        return self._runs is not None and hasattr(self.inner, "serves_runs") and self.inner.serves_runs(rows)
 
     def lengths(self) -> list[int]:
         return list(self._lengths)
@@ -45,6 +51,8 @@ class ComposedState:
         if self.head_of is None:
             s = self.inner.scores(q, scale)
             return s if self.bias is None else s + self.bias.float().view(1, H, 1, -1)
+        if self._by_run(M):
+            return self.inner.run_scores(q, scale, self.bias, self._runs)
         s = self.inner.scores(q.reshape(1, 1, H * M, d), scale).view(1, H, M, -1)
         if self.bias is not None:
             s = s + self.bias.float()
@@ -55,6 +63,8 @@ class ComposedState:
         if self.head_of is None:
             return self.inner.mix(p)
         _, H, M, N = p.shape
+        if self._by_run(M):
+            return self.inner.run_mix(p, self._runs)
         return self.inner.mix(p.reshape(1, 1, H * M, N)).view(1, H, M, -1)
 
 

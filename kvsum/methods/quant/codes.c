@@ -8,19 +8,19 @@
    pass_range, mixing:  out[h, m, j] += sum_t p[h, m, t] norm[h, t] levels[code(t, h, j)]  p (H, M, T), out (H, M, c)
 
    Eight codes are decoded at once into eight floats: one variable shift of the broadcast word, and a
-   lookup in the levels held in one or two registers (up to 16 levels), or a gather beyond. Tokens are
+   lookup in the levels held in up to four registers (up to 32 levels), or a gather beyond. Tokens are
    split into `threads` contiguous ranges (OpenMP); kv_mix_coded adds the per-thread sums at the end. */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include <math.h>
 
 #define TB 4 /* tokens per pass */
 #define MB 3 /* query rows per pass over the codes (a KV head's G query heads at one decoding step) */
 
-static inline __m256 decode8(const uint8_t *src, const int bits, const __m256 lv0, const __m256 lv1,
-                             const float *levels) {
+static inline __m256 decode8(const uint8_t *src, const int bits, const __m256 *lv, const float *levels) {
     __m256i idx;
     if (bits <= 4) {
         uint32_t w = 0;  /* byte by byte: a 3-byte memcpy into a 4-byte word stalls store forwarding */
@@ -36,20 +36,23 @@ static inline __m256 decode8(const uint8_t *src, const int bits, const __m256 lv
         idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi), shifts),
                                _mm256_set1_epi32((1 << bits) - 1));
     }
-    if (bits <= 3) return _mm256_permutevar8x32_ps(lv0, idx);
-    if (bits == 4) {
-        __m256 lo = _mm256_permutevar8x32_ps(lv0, idx), hi = _mm256_permutevar8x32_ps(lv1, idx);
-        return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    if (bits <= 3) return _mm256_permutevar8x32_ps(lv[0], idx);
+    if (bits <= 5) {  /* a permute per register of 8 levels (index bits 0-2), blends on index bits 3 and 4 */
+        const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+        __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lv[0], idx), _mm256_permutevar8x32_ps(lv[1], idx), bit3);
+        if (bits == 4) return v;
+        __m256 u = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lv[2], idx), _mm256_permutevar8x32_ps(lv[3], idx), bit3);
+        return _mm256_blendv_ps(v, u, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27)));
     }
     return _mm256_i32gather_ps(levels, idx, 4);
 }
 
-static void load_levels(const float *levels, int bits, __m256 *lv0, __m256 *lv1) {
-    float pad[16] = {0};
+/* up to 32 levels in four registers, zero past the last */
+static void load_levels(const float *levels, int bits, __m256 *lv) {
+    float pad[32] = {0};
     int n = 1 << bits;
-    memcpy(pad, levels, sizeof(float) * (n < 16 ? n : 16));
-    *lv0 = _mm256_loadu_ps(pad);
-    *lv1 = _mm256_loadu_ps(pad + 8);
+    memcpy(pad, levels, sizeof(float) * (n < 32 ? n : 32));
+    for (int i = 0; i < 4; i++) lv[i] = _mm256_loadu_ps(pad + 8 * i);
 }
 
 /* the four horizontal sums of a, b, c, d */
@@ -65,8 +68,8 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 static inline __attribute__((always_inline)) void pass_range(
         const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, int64_t pitch, const int bits,
         const float *levels, const float *x, const float *norm, int64_t M, float *out, const int mix) {
-    __m256 lv0, lv1;
-    load_levels(levels, bits, &lv0, &lv1);
+    __m256 lv[4];
+    load_levels(levels, bits, lv);
     /* `pitch`: bytes from row (t, h) to row (t, h + 1), c / 8 * bits for rows of c codes; a row may also be
        the first c codes of a longer one */
     const int64_t groups = c / 8, stride = H * pitch; /* bytes from one token's row to the next */
@@ -89,7 +92,7 @@ static inline __attribute__((always_inline)) void pass_range(
                         for (int i = 0; i < MB; i++)
                             acc[i] = i < mb ? _mm256_loadu_ps(out + (h * M + m0 + i) * c + 8 * g) : _mm256_setzero_ps();
                         for (int k = 0; k < TB; k++) {
-                            __m256 v = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
+                            __m256 v = decode8(rows[k] + g * bits, bits, lv, levels);
                             for (int i = 0; i < MB; i++) acc[i] = _mm256_fmadd_ps(w[k][i], v, acc[i]);
                         }
                         for (int i = 0; i < mb; i++) _mm256_storeu_ps(out + (h * M + m0 + i) * c + 8 * g, acc[i]);
@@ -105,7 +108,7 @@ static inline __attribute__((always_inline)) void pass_range(
                     for (int i = 0; i < MB; i++)
                         qv[i] = i < mb ? _mm256_loadu_ps(qh + i * c + 8 * g) : _mm256_setzero_ps();
                     for (int k = 0; k < TB; k++) {
-                        __m256 v = decode8(rows[k] + g * bits, bits, lv0, lv1, levels);
+                        __m256 v = decode8(rows[k] + g * bits, bits, lv, levels);
                         for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(v, qv[i], acc[k][i]);
                     }
                 }
@@ -132,8 +135,10 @@ static inline __attribute__((always_inline)) void pass_range(
         case 4: fn(__VA_ARGS__, 4); break; case 5: fn(__VA_ARGS__, 5); break; case 6: fn(__VA_ARGS__, 6); break; \
         case 7: fn(__VA_ARGS__, 7); break; default: fn(__VA_ARGS__, 8); break; \
     }
-#define SCORE(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], c[i] / 8 * B, B, levels[i], qp[i], NULL, M, out, 0)
-#define MIX(t0, t1, B) pass_range(data[i], t0, t1, T, H, c[i], c[i] / 8 * B, B, levels[i], p, norm, M, dst, 1)
+#define SCORE(t0, t1, B) pass_range(data[i] + base * (c[i] / 8 * B), t0, t1, T, heads, c[i], c[i] / 8 * B, B, \
+                                 levels[i], qp[i] + r * M * c[i], NULL, M, out + r * M * T, 0)
+#define MIX(t0, t1, B) pass_range(data[i] + base * (c[i] / 8 * B), t0, t1, T, heads, c[i], c[i] / 8 * B, B, \
+                               levels[i], p + r * M * T, norm + base, M, dst + r * M * c[i], 1)
 #define GROUP(t0, t1, B) pass_range(data + (b * g * d / 8) * B, t0, t1, T, 1, d, d / 8 * B, B, levels, \
                                    qg + b * M * d, NULL, M, out + h * M * T + gi * g, 0)
 #define RUN(t0, t1, B) pass_range(data + r * ch / 8 * B, t0, t1, T, H, ch, d / 8 * B, B, levels, p, \
@@ -144,11 +149,16 @@ static inline __attribute__((always_inline)) void pass_range(
    (NULL: all d channels, in order) as codes of nbits[i] bits with levels[i]. Both return 0, or -1 where
    memory for their scratch could not be had (out is then not filled).
 
-   kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j)   (out zeroed)
-   kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)          (out zeroed)
-   with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code. */
+   kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j) + add[h, t]   (add: NULL, 0)
+   kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)
+   with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code.
 
-static int gather_queries(int nparts, const uint8_t *const *idx, const int64_t *c, int64_t H, int64_t d,
+   Runs (seg != NULL): the side is one head of seg[H] tokens (idx (1, c[i]), norm and add (seg[H],)), and query
+   head h reads only its own run, tokens seg[h] to seg[h + 1] (composition packs ragged heads one after another
+   this way); T is then the longest run: out and p are (H, M, T), a run's scores past its end are -inf and its
+   weights there are not read. Each code is decoded once for the M rows of its head, not once per H * M rows. */
+
+static int gather_queries(int nparts, const uint8_t *const *idx, const int64_t *c, int64_t H, int shared, int64_t d,
                           const float *q, int64_t M, float **qp) {
     for (int i = 0; i < nparts; i++) {
         if (!idx[i]) { qp[i] = (float *)q; continue; }
@@ -160,26 +170,45 @@ static int gather_queries(int nparts, const uint8_t *const *idx, const int64_t *
         for (int64_t h = 0; h < H; h++)
             for (int64_t m = 0; m < M; m++)
                 for (int64_t j = 0; j < c[i]; j++)
-                    qp[i][(h * M + m) * c[i] + j] = q[(h * M + m) * d + idx[i][h * c[i] + j]];
+                    qp[i][(h * M + m) * c[i] + j] = q[(h * M + m) * d + idx[i][(shared ? 0 : h) * c[i] + j]];
     }
     return 0;
 }
 
+/* Thread k of `threads`'s share of pass r over a side: its tokens [t0, t1) of the n from token `base` (all H heads'
+   tokens [0, T) in one pass, or with runs one pass per head over its run). */
+static inline void share(const int64_t *seg, int64_t r, int64_t T, int k, int threads, int64_t *base, int64_t *n,
+                         int64_t *t0, int64_t *t1) {
+    *base = seg ? seg[r] : 0;
+    *n = seg ? seg[r + 1] - *base : T;
+    *t0 = *n * k / threads;
+    *t1 = *n * (k + 1) / threads;
+}
+
 int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
-                    const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *q, int64_t M,
-                   const float *norm, float scale, float *out, int threads) {
+                   const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *q, int64_t M,
+                   const float *norm, float scale, const float *add, const int64_t *seg, float *out, int threads) {
     float *qp[MAX_PARTS];
-    if (nparts > MAX_PARTS || gather_queries(nparts, idx, c, H, d, q, M, qp)) return -1;
+    if (nparts > MAX_PARTS || gather_queries(nparts, idx, c, H, seg != NULL, d, q, M, qp)) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int k = 0; k < threads; k++) {
-        const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
-        for (int i = 0; i < nparts; i++) {
-            const int bits = nbits[i];
-            DISPATCH(SCORE, t0, t1)
+        const int64_t passes = seg ? H : 1, heads = seg ? 1 : H;
+        for (int64_t r = 0; r < passes; r++) {
+            int64_t base, n, t0, t1;
+            share(seg, r, T, k, threads, &base, &n, &t0, &t1);
+            for (int i = 0; i < nparts; i++) {
+                const int bits = nbits[i];
+                DISPATCH(SCORE, t0, t1)
+            }
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t m = 0; m < M; m++) {
+                    float *o = out + ((r + h) * M + m) * T;
+                    const float *nh = norm + h * T + base, *ah = add ? add + h * T + base : NULL;
+                    for (int64_t t = t0; t < t1; t++) o[t] = o[t] * scale * nh[t] + (ah ? ah[t] : 0.0f);
+                    for (int64_t t = n + (T - n) * k / threads; t < n + (T - n) * (k + 1) / threads; t++)
+                        o[t] = -INFINITY;
+                }
         }
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t t = t0; t < t1; t++) out[(h * M + m) * T + t] *= scale * norm[h * T + t];
     }
     for (int i = 0; i < nparts; i++)
         if (idx[i]) free(qp[i]);
@@ -188,7 +217,7 @@ int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const 
 
 int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
                  const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *p, int64_t M,
-                 const float *norm, float *out, int threads) {
+                 const float *norm, const int64_t *seg, float *out, int threads) {
     /* each thread sums its tokens into its own (H, M, c[i]) block per part; the blocks are added into out's
        channels at the end */
     int64_t per = 0, off[MAX_PARTS];
@@ -198,11 +227,15 @@ int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *i
     if (!buf) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int k = 0; k < threads; k++) {
-        const int64_t t0 = T * k / threads, t1 = T * (k + 1) / threads;
-        for (int i = 0; i < nparts; i++) {
-            const int bits = nbits[i];
-            float *dst = buf + k * per + off[i];
-            DISPATCH(MIX, t0, t1)
+        const int64_t passes = seg ? H : 1, heads = seg ? 1 : H;
+        for (int64_t r = 0; r < passes; r++) {
+            int64_t base, n, t0, t1;
+            share(seg, r, T, k, threads, &base, &n, &t0, &t1);
+            for (int i = 0; i < nparts; i++) {
+                const int bits = nbits[i];
+                float *dst = buf + k * per + off[i];
+                DISPATCH(MIX, t0, t1)
+            }
         }
     }
     for (int k = 0; k < threads; k++)
@@ -211,7 +244,8 @@ int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *i
             for (int64_t h = 0; h < H; h++)
                 for (int64_t m = 0; m < M; m++)
                     for (int64_t j = 0; j < c[i]; j++)
-                        out[(h * M + m) * d + (idx[i] ? idx[i][h * c[i] + j] : j)] += b[(h * M + m) * c[i] + j];
+                        out[(h * M + m) * d + (idx[i] ? idx[i][(seg ? 0 : h) * c[i] + j] : j)]
+                            += b[(h * M + m) * c[i] + j];
         }
     free(buf);
     return 0;

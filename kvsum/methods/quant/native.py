@@ -73,9 +73,9 @@ def library() -> ctypes.CDLL | None:
     ptrs, i64 = ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64
     head = [ctypes.c_int, ptrs, ptrs, ptrs, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_int), i64, i64, i64,
             ctypes.c_void_p, i64, ctypes.c_void_p]
-    lib.kv_score_coded.argtypes = [*head, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    lib.kv_mix_coded.argtypes = [*head, ctypes.c_void_p, ctypes.c_int]
     vp = ctypes.c_void_p
+    lib.kv_score_coded.argtypes = [*head, ctypes.c_float, vp, vp, vp, ctypes.c_int]
+    lib.kv_mix_coded.argtypes = [*head, vp, vp, ctypes.c_int]
     lib.kv_score_groups.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, ctypes.c_int]
     lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, vp, vp, ctypes.c_int]
     for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs):
@@ -97,8 +97,9 @@ def usable(parts: list, rows: int) -> bool:
                     and lv.numel() == 2 ** p.bits and (ix is None or ix.dtype == torch.uint8) for p, ix, lv in parts))
 
 
-def _side(parts: list, d: int) -> tuple:
-    """The ctypes arguments that describe the parts, and the tensors they point into (kept alive by the caller)."""
+def _side(parts: list, d: int, runs: Tensor | None, H: int) -> tuple:
+    """The ctypes arguments that describe the parts (with runs: their T is the longest run, their H the query heads),
+    and the tensors they point into (kept alive by the caller)."""
     n = len(parts)
     levels = [lv.contiguous() for _, _, lv in parts]
     idx = [None if ix is None else ix.contiguous() for _, ix, _ in parts]
@@ -107,8 +108,21 @@ def _side(parts: list, d: int) -> tuple:
               (ctypes.c_void_p * n)(*[lv.data_ptr() for lv in levels]),
               (ctypes.c_int64 * n)(*[p.shape[2] for p, _, _ in parts]),
               (ctypes.c_int * n)(*[p.bits for p, _, _ in parts]))
-    T, H = parts[0][0].shape[:2]
+    T = parts[0][0].shape[0] if runs is None else int((runs[1:] - runs[:-1]).max())
     return (n, *arrays, T, H, d), (levels, idx)
+
+
+def _runs(runs: Tensor | None, H: int, parts: list) -> Tensor | None:
+    if runs is None:
+        return None
+    if parts[0][0].shape[1] != 1 or runs.shape != (H + 1,) or int(runs[-1]) != parts[0][0].shape[0]:
+        raise ValueError(f"runs {tuple(runs.shape)} ending at {int(runs[-1])} do not split {parts[0][0].shape[0]} "
+                         f"tokens of one head among {H} query heads")
+    return runs.to(torch.int64).contiguous()
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _check(status: int) -> None:
@@ -120,23 +134,30 @@ def _threads(T: int) -> int:
     return max(1, min(torch.get_num_threads(), T // 256 or 1))
 
 
-def score(parts: list, q: Tensor, norm: Tensor, scale: float) -> Tensor:
-    """Queries q (H, M, d) against the coded side -> (H, M, T): scale * norm[h, t] * <q[h, m], levels(t, h)>."""
-    args, keep = _side(parts, q.shape[-1])
+def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None = None,
+          runs: Tensor | None = None) -> Tensor:
+    """Queries q (H, M, d) against the coded side -> (H, M, T): scale * norm[h, t] * <q[h, m], levels(t, h)>
+    (+ add[h, t]). With `runs` (H + 1 token offsets into a side of one head) query head h reads only tokens runs[h]
+    to runs[h + 1]: (H, M, longest run), -inf past the end of each run."""
+    runs = _runs(runs, q.shape[0], parts)
+    args, keep = _side(parts, q.shape[-1], runs, q.shape[0])
     q, norm = q.float().contiguous(), norm.float().contiguous()
+    add = add.float().contiguous() if add is not None else None
     out = q.new_zeros(q.shape[0], q.shape[1], args[6])
-    _check(library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, out.data_ptr(),
-                                    _threads(args[6])))
+    _check(library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, _ptr(add), _ptr(runs),
+                                    out.data_ptr(), _threads(parts[0][0].shape[0])))
     return out
 
 
-def mix(parts: list, p: Tensor, norm: Tensor, d: int) -> Tensor:
-    """Weights p (H, M, T) over the coded side -> (H, M, d): sum_t p[h, m, t] norm[h, t] levels(t, h)."""
-    args, keep = _side(parts, d)
+def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None) -> Tensor:
+    """Weights p (H, M, T) over the coded side -> (H, M, d): sum_t p[h, m, t] norm[h, t] levels(t, h); with `runs`
+    as in `score`, p (H, M, longest run)."""
+    runs = _runs(runs, p.shape[0], parts)
+    args, keep = _side(parts, d, runs, p.shape[0])
     p, norm = p.float().contiguous(), norm.float().contiguous()
     out = p.new_zeros(p.shape[0], p.shape[1], d)
-    _check(library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), out.data_ptr(),
-                                  _threads(args[6])))
+    _check(library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), _ptr(runs), out.data_ptr(),
+                                  _threads(parts[0][0].shape[0])))
     return out
 
 

@@ -163,24 +163,30 @@ class Coded:
         parts = [(codes, ix, levels) for ix, levels, _, codes in self.parts]
         return parts if native.usable(parts, rows) else None
 
-    def dot(self, qr: Tensor, norm: Tensor, scale: float) -> Tensor:
+    def dot(self, qr: Tensor, norm: Tensor, scale: float, add: Tensor | None = None,
+            runs: Tensor | None = None) -> Tensor:
         """Rotated queries qr (1, H, M, d) against the reconstructed directions times `norm` (H, T) and `scale`
-        -> (1, H, M, T); read from the packed codes by native.py's kernel where it serves."""
+        -> (1, H, M, T); read from the packed codes by native.py's kernel where it serves. `add` and `runs`
+        (kernel only, see native.score): one head's tokens read in runs, one per query head, plus `add`."""
         parts = self._native(qr.shape[2])
         if parts is not None:
-            return native.score(parts, qr[0], norm, scale)[None]
+            return native.score(parts, qr[0], norm, scale, add, runs)[None]
+        if runs is not None:
+            raise KVSumError("turboquant: codes are read in runs only through the packed-code kernel")
         s = 0
         for ix, levels, _, codes in self.parts:
             part = qr if ix is None else qr.gather(3, ix.long()[None, :, None, :].expand(*qr.shape[:3], -1))
             s = s + part @ self._levels(levels, codes).transpose(-1, -2)
         return s * (norm.float()[None, :, None, :] * scale)
 
-    def mix(self, pw: Tensor, norm: Tensor) -> Tensor:
+    def mix(self, pw: Tensor, norm: Tensor, runs: Tensor | None = None) -> Tensor:
         """Weights pw (1, H, M, T) over the reconstructed directions times `norm` (H, T) -> (1, H, M, d), one
         channel part at a time (the split is undone on the small output, never on an (H, T, d) tensor)."""
         parts = self._native(pw.shape[2])
         if parts is not None:
-            return native.mix(parts, pw[0], norm, self.d)[None]
+            return native.mix(parts, pw[0], norm, self.d, runs)[None]
+        if runs is not None:
+            raise KVSumError("turboquant: codes are read in runs only through the packed-code kernel")
         pw = pw * norm.float()[None, :, None, :]
         if self.parts[0][0] is None:
             _, levels, _, codes = self.parts[0]
@@ -335,6 +341,25 @@ class TurboQuantState:
         if self.path == "dequant":
             return p @ self.values()
         return self.R.undo(self.v.mix(p, self.v_norm))
+
+    def serves_runs(self, rows: int) -> bool:
+        """Whether `run_scores` and `run_mix` serve `rows` query rows per head: the rotated path, MSE codes only
+        (no QJL sketch, no pca keys), both sides through the packed-code kernel."""
+        return (self.path == "rotated" and self.signs is None and isinstance(self.k, Coded)
+                and self.k._native(rows) is not None and self.v._native(rows) is not None)
+
+    def run_scores(self, q: Tensor, scale: float, bias: Tensor | None, runs: Tensor) -> Tensor:
+        """A store of one head holding H heads' entries one run after another (composition's ragged heads):
+        queries q (1, H, M, d) of head h against run h only, (1, H, M, longest run), -inf past each run's end;
+        `bias` (T,) is added to each entry's logit. Each code is decoded once, for its own head's M rows."""
+        s = self.k.dot(self.R.apply(q), self.k_norm, scale, bias, runs)
+        if self.k_mean is not None:  # the mean's logit, the same for every token of a run
+            s = s + q @ self.k_mean.float().transpose(1, 2) * scale
+        return s
+
+    def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:
+        """Weights p (1, H, M, longest run) over each head's run -> (1, H, M, d), as `run_scores` reads them."""
+        return self.R.undo(self.v.mix(p, self.v_norm, runs))
 
 
 @register
