@@ -82,10 +82,10 @@ class EntryState:
                 s = s + self.bias.view(1, self.H, 1, n).float()
             return s
         if self._masked():  # few entries: one matmul over all of them, the other heads' entries masked
-            s = q[0] @ self.keys.float().t() * scale  # (H, M, N)
-            if self.bias is not None:
-                s = s + self.bias.float()
-            return s.masked_fill_(self._foreign()[:, None, :], float("-inf"))[None]
+            H, M, d = q.shape[1:]
+            q2, k = q.reshape(H * M, d), self.keys.float().t()
+            s = q2 @ k * scale if self.bias is None else torch.addmm(self.bias.float(), q2, k, alpha=scale)
+            return s.view(H, M, -1).masked_fill_(self._foreign()[:, None, :], float("-inf"))[None]
         # many: one matmul per head over its own entries, padded with -inf to the longest head
         s = q.new_full((*q.shape[:3], max(self._lengths)), float("-inf"))
         for h, (a, n) in enumerate(self._slices()):

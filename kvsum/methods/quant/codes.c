@@ -61,57 +61,84 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* One pass over tokens [t0, t1) of a part, four tokens at a time. Scoring (mix = 0): each query vector is
-   loaded once for the four tokens, and their four dot products are summed across lanes together (hsum4).
-   Mixing (mix = 1): each output vector is loaded and stored once for the four. Fixed trip counts keep the
+/* One channel part of a coded side, as a pass reads it: its codes from the pass's first token, channels per
+   row, bytes from row (t, h) to row (t, h + 1) (c / 8 * bits, or more where a row is the first c codes of a
+   longer one), levels, and its own queries (H, M, c) when scoring or output block (H, M, c) when mixing. */
+typedef struct {
+    const uint8_t *data;
+    int64_t c, pitch;
+    const float *levels, *q;
+    float *dst;
+} Part;
+
+static const Part NONE = {0};
+
+/* Part a's and (with B > 0) part b's share of one block of four tokens, one head and up to MB query rows. */
+static inline __attribute__((always_inline)) void score_part(
+        const Part a, const int A, const __m256 *lv, int64_t t, int64_t h, int64_t H, int tb, int64_t m0, int64_t M,
+        int mb, __m256 acc[TB][MB]) {
+    const uint8_t *rows[TB];
+    for (int k = 0; k < TB; k++) rows[k] = a.data + ((t + (k < tb ? k : 0)) * H + h) * a.pitch;
+    const float *qh = a.q + (h * M + m0) * a.c;
+    for (int64_t g = 0; g < a.c / 8; g++) {
+        __m256 qv[MB];
+        for (int i = 0; i < MB; i++) qv[i] = i < mb ? _mm256_loadu_ps(qh + i * a.c + 8 * g) : _mm256_setzero_ps();
+        for (int k = 0; k < TB; k++) {
+            __m256 v = decode8(rows[k] + g * A, A, lv, a.levels);
+            for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(v, qv[i], acc[k][i]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void mix_part(
+        const Part a, const int A, const __m256 *lv, int64_t t, int64_t h, int64_t H, int tb, int64_t m0, int64_t M,
+        int mb, __m256 w[TB][MB]) {
+    const uint8_t *rows[TB];
+    for (int k = 0; k < TB; k++) rows[k] = a.data + ((t + (k < tb ? k : 0)) * H + h) * a.pitch;
+    float *o = a.dst + (h * M + m0) * a.c;
+    for (int64_t g = 0; g < a.c / 8; g++) {
+        __m256 acc[MB];
+        for (int i = 0; i < MB; i++) acc[i] = i < mb ? _mm256_loadu_ps(o + i * a.c + 8 * g) : _mm256_setzero_ps();
+        for (int k = 0; k < TB; k++) {
+            __m256 v = decode8(rows[k] + g * A, A, lv, a.levels);
+            for (int i = 0; i < MB; i++) acc[i] = _mm256_fmadd_ps(w[k][i], v, acc[i]);
+        }
+        for (int i = 0; i < mb; i++) _mm256_storeu_ps(o + i * a.c + 8 * g, acc[i]);
+    }
+}
+
+/* One pass over tokens [t0, t1) of one or two channel parts (a at A bits, b at B bits; B = 0: none), four tokens
+   at a time: the two parts of an outlier split (lo + 1 and lo bits) share the pass's accumulators, sums and
+   weights. Scoring (mix = 0): each query vector is loaded once for the four tokens, and their four dot products
+   are summed across lanes together (hsum4) into out (H, M, T). Mixing (mix = 1): weights p (H, M, T) times
+   norm (H, T); each output vector is loaded and stored once for the four. Fixed trip counts keep the
    accumulators in registers: a missing token rereads row 0 with weight 0, a missing row queries 0. */
 static inline __attribute__((always_inline)) void pass_range(
-        const uint8_t *data, int64_t t0, int64_t t1, int64_t T, int64_t H, int64_t c, int64_t pitch, const int bits,
-        const float *levels, const float *x, const float *norm, int64_t M, float *out, const int mix) {
-    __m256 lv[4];
-    load_levels(levels, bits, lv);
-    /* `pitch`: bytes from row (t, h) to row (t, h + 1), c / 8 * bits for rows of c codes; a row may also be
-       the first c codes of a longer one */
-    const int64_t groups = c / 8, stride = H * pitch; /* bytes from one token's row to the next */
+        const Part a, const int A, const Part b, const int B, int64_t t0, int64_t t1, int64_t T, int64_t H,
+        const float *p, const float *norm, int64_t M, float *out, const int mix) {
+    __m256 lva[4], lvb[4];
+    load_levels(a.levels, A, lva);
+    if (B) load_levels(b.levels, B, lvb);
     for (int64_t t = t0; t < t1; t += TB) {
         const int tb = t1 - t < TB ? (int)(t1 - t) : TB;
         for (int64_t h = 0; h < H; h++) {
-            const uint8_t *row = data + (t * H + h) * pitch;
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
                 const int mb = M - m0 < MB ? (int)(M - m0) : MB;
-                const uint8_t *rows[TB];
-                for (int k = 0; k < TB; k++) rows[k] = row + (k < tb ? k : 0) * stride;
                 if (mix) {
                     __m256 w[TB][MB];
                     for (int k = 0; k < TB; k++)
                         for (int i = 0; i < MB; i++)
                             w[k][i] = _mm256_set1_ps(k < tb && i < mb
-                                                     ? x[(h * M + m0 + i) * T + t + k] * norm[h * T + t + k] : 0.0f);
-                    for (int64_t g = 0; g < groups; g++) {
-                        __m256 acc[MB];
-                        for (int i = 0; i < MB; i++)
-                            acc[i] = i < mb ? _mm256_loadu_ps(out + (h * M + m0 + i) * c + 8 * g) : _mm256_setzero_ps();
-                        for (int k = 0; k < TB; k++) {
-                            __m256 v = decode8(rows[k] + g * bits, bits, lv, levels);
-                            for (int i = 0; i < MB; i++) acc[i] = _mm256_fmadd_ps(w[k][i], v, acc[i]);
-                        }
-                        for (int i = 0; i < mb; i++) _mm256_storeu_ps(out + (h * M + m0 + i) * c + 8 * g, acc[i]);
-                    }
+                                                     ? p[(h * M + m0 + i) * T + t + k] * norm[h * T + t + k] : 0.0f);
+                    mix_part(a, A, lva, t, h, H, tb, m0, M, mb, w);
+                    if (B) mix_part(b, B, lvb, t, h, H, tb, m0, M, mb, w);
                     continue;
                 }
                 __m256 acc[TB][MB];
                 for (int k = 0; k < TB; k++)
                     for (int i = 0; i < MB; i++) acc[k][i] = _mm256_setzero_ps();
-                const float *qh = x + (h * M + m0) * c;
-                for (int64_t g = 0; g < groups; g++) {
-                    __m256 qv[MB];
-                    for (int i = 0; i < MB; i++)
-                        qv[i] = i < mb ? _mm256_loadu_ps(qh + i * c + 8 * g) : _mm256_setzero_ps();
-                    for (int k = 0; k < TB; k++) {
-                        __m256 v = decode8(rows[k] + g * bits, bits, lv, levels);
-                        for (int i = 0; i < MB; i++) acc[k][i] = _mm256_fmadd_ps(v, qv[i], acc[k][i]);
-                    }
-                }
+                score_part(a, A, lva, t, h, H, tb, m0, M, mb, acc);
+                if (B) score_part(b, B, lvb, t, h, H, tb, m0, M, mb, acc);
                 for (int i = 0; i < mb; i++) {
                     float *o = out + (h * M + m0 + i) * T + t;
                     __m128 sum = hsum4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]);
@@ -135,14 +162,31 @@ static inline __attribute__((always_inline)) void pass_range(
         case 4: fn(__VA_ARGS__, 4); break; case 5: fn(__VA_ARGS__, 5); break; case 6: fn(__VA_ARGS__, 6); break; \
         case 7: fn(__VA_ARGS__, 7); break; default: fn(__VA_ARGS__, 8); break; \
     }
-#define SCORE(t0, t1, B) pass_range(data[i] + base * (c[i] / 8 * B), t0, t1, T, heads, c[i], c[i] / 8 * B, B, \
-                                 levels[i], qp[i] + r * M * c[i], NULL, M, out + r * M * T, 0)
-#define MIX(t0, t1, B) pass_range(data[i] + base * (c[i] / 8 * B), t0, t1, T, heads, c[i], c[i] / 8 * B, B, \
-                               levels[i], p + r * M * T, norm + base, M, dst + r * M * c[i], 1)
-#define GROUP(t0, t1, B) pass_range(data + (b * g * d / 8) * B, t0, t1, T, 1, d, d / 8 * B, B, levels, \
-                                   qg + b * M * d, NULL, M, out + h * M * T + gi * g, 0)
-#define RUN(t0, t1, B) pass_range(data + r * ch / 8 * B, t0, t1, T, H, ch, d / 8 * B, B, levels, p, \
-                                 norms + r * H * T, M, dst, 1)
+/* an outlier split's two parts, at bits and bits - 1, in one pass */
+#define DISPATCH_SPLIT(fn, ...) \
+    switch (bits) { \
+        case 2: fn(__VA_ARGS__, 2); break; case 3: fn(__VA_ARGS__, 3); break; case 4: fn(__VA_ARGS__, 4); break; \
+        case 5: fn(__VA_ARGS__, 5); break; case 6: fn(__VA_ARGS__, 6); break; case 7: fn(__VA_ARGS__, 7); break; \
+        default: fn(__VA_ARGS__, 8); break; \
+    }
+/* part i of a side as pass r reads it (see kv_score_coded), with its queries Q or output block D */
+#define PART(i, B, Q, D) ((Part){data[i] + base * (c[i] / 8 * (B)), c[i], c[i] / 8 * (B), levels[i], Q, D})
+#define QP(i) (qp[i] + r * M * c[i])
+#define DST(i) (dst[i] + r * M * c[i])
+#define SCORE(t0, t1, B) pass_range(PART(i, B, QP(i), NULL), B, NONE, 0, t0, t1, T, heads, NULL, NULL, M, \
+                                    out + r * M * T, 0)
+#define SCORE2(t0, t1, B) pass_range(PART(0, B, QP(0), NULL), B, PART(1, B - 1, QP(1), NULL), B - 1, t0, t1, T, \
+                                     heads, NULL, NULL, M, out + r * M * T, 0)
+#define MIX(t0, t1, B) pass_range(PART(i, B, NULL, DST(i)), B, NONE, 0, t0, t1, T, heads, p + r * M * T, \
+                                  norm + base, M, NULL, 1)
+#define MIX2(t0, t1, B) pass_range(PART(0, B, NULL, DST(0)), B, PART(1, B - 1, NULL, DST(1)), B - 1, t0, t1, T, \
+                                   heads, p + r * M * T, norm + base, M, NULL, 1)
+/* whether a side is an outlier split (channels at bits + 1 and at bits), read in one pass */
+#define SPLIT (nparts == 2 && nbits[0] == nbits[1] + 1 && nbits[1] >= 1)
+#define GROUP(t0, t1, B) pass_range((Part){data + (b * g * d / 8) * B, d, d / 8 * B, levels, qg + b * M * d, NULL}, B, \
+                                    NONE, 0, t0, t1, T, 1, NULL, NULL, M, out + h * M * T + gi * g, 0)
+#define RUN(t0, t1, B) pass_range((Part){data + r * ch / 8 * B, ch, d / 8 * B, levels, NULL, dst}, B, NONE, 0, \
+                                  t0, t1, T, H, p, norms + r * H * T, M, NULL, 1)
 #define MAX_PARTS 8
 
 /* A coded side of one layer: `nparts` channel parts, part i holding channels idx[i] (H, c[i]) of each head
@@ -150,6 +194,7 @@ static inline __attribute__((always_inline)) void pass_range(
    memory for their scratch could not be had (out is then not filled).
 
    kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j) + add[h, t]   (add: NULL, 0)
+                   or -inf where skip[h, t] (skip: NULL, none), e.g. tokens another state holds exactly
    kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)
    with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code.
 
@@ -187,7 +232,8 @@ static inline void share(const int64_t *seg, int64_t r, int64_t T, int k, int th
 
 int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
                    const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *q, int64_t M,
-                   const float *norm, float scale, const float *add, const int64_t *seg, float *out, int threads) {
+                   const float *norm, float scale, const float *add, const uint8_t *skip, const int64_t *seg, float *out,
+                   int threads) {
     float *qp[MAX_PARTS];
     if (nparts > MAX_PARTS || gather_queries(nparts, idx, c, H, seg != NULL, d, q, M, qp)) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static)
@@ -196,15 +242,22 @@ int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const 
         for (int64_t r = 0; r < passes; r++) {
             int64_t base, n, t0, t1;
             share(seg, r, T, k, threads, &base, &n, &t0, &t1);
-            for (int i = 0; i < nparts; i++) {
-                const int bits = nbits[i];
-                DISPATCH(SCORE, t0, t1)
+            if (SPLIT) {
+                const int bits = nbits[0];
+                DISPATCH_SPLIT(SCORE2, t0, t1)
+            } else {
+                for (int i = 0; i < nparts; i++) {
+                    const int bits = nbits[i];
+                    DISPATCH(SCORE, t0, t1)
+                }
             }
             for (int64_t h = 0; h < heads; h++)
                 for (int64_t m = 0; m < M; m++) {
                     float *o = out + ((r + h) * M + m) * T;
                     const float *nh = norm + h * T + base, *ah = add ? add + h * T + base : NULL;
-                    for (int64_t t = t0; t < t1; t++) o[t] = o[t] * scale * nh[t] + (ah ? ah[t] : 0.0f);
+                    const uint8_t *sk = skip ? skip + h * T + base : NULL;
+                    for (int64_t t = t0; t < t1; t++)
+                        o[t] = sk && sk[t] ? -INFINITY : o[t] * scale * nh[t] + (ah ? ah[t] : 0.0f);
                     for (int64_t t = n + (T - n) * k / threads; t < n + (T - n) * (k + 1) / threads; t++)
                         o[t] = -INFINITY;
                 }
@@ -228,13 +281,19 @@ int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *i
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int k = 0; k < threads; k++) {
         const int64_t passes = seg ? H : 1, heads = seg ? 1 : H;
+        float *dst[MAX_PARTS];
+        for (int i = 0; i < nparts; i++) dst[i] = buf + k * per + off[i];
         for (int64_t r = 0; r < passes; r++) {
             int64_t base, n, t0, t1;
             share(seg, r, T, k, threads, &base, &n, &t0, &t1);
-            for (int i = 0; i < nparts; i++) {
-                const int bits = nbits[i];
-                float *dst = buf + k * per + off[i];
-                DISPATCH(MIX, t0, t1)
+            if (SPLIT) {
+                const int bits = nbits[0];
+                DISPATCH_SPLIT(MIX2, t0, t1)
+            } else {
+                for (int i = 0; i < nparts; i++) {
+                    const int bits = nbits[i];
+                    DISPATCH(MIX, t0, t1)
+                }
             }
         }
     }

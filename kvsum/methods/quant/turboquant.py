@@ -164,20 +164,21 @@ class Coded:
         return parts if native.usable(parts, rows) else None
 
     def dot(self, qr: Tensor, norm: Tensor, scale: float, add: Tensor | None = None,
-            runs: Tensor | None = None) -> Tensor:
+            runs: Tensor | None = None, skip: Tensor | None = None) -> Tensor:
         """Rotated queries qr (1, H, M, d) against the reconstructed directions times `norm` (H, T) and `scale`
-        -> (1, H, M, T); read from the packed codes by native.py's kernel where it serves. `add` and `runs`
-        (kernel only, see native.score): one head's tokens read in runs, one per query head, plus `add`."""
+        -> (1, H, M, T), -inf where `skip` (H, T); read from the packed codes by native.py's kernel where it
+        serves. `add` and `runs` (kernel only, see native.score): one head's tokens read in runs, one per query
+        head, plus `add`."""
         parts = self._native(qr.shape[2])
         if parts is not None:
-            return native.score(parts, qr[0], norm, scale, add, runs)[None]
+            return native.score(parts, qr[0], norm, scale, add, runs, skip)[None]
         if runs is not None:
             raise KVSumError("turboquant: codes are read in runs only through the packed-code kernel")
         s = 0
         for ix, levels, _, codes in self.parts:
             part = qr if ix is None else qr.gather(3, ix.long()[None, :, None, :].expand(*qr.shape[:3], -1))
             s = s + part @ self._levels(levels, codes).transpose(-1, -2)
-        return s * (norm.float()[None, :, None, :] * scale)
+        return _skipped(s * (norm.float()[None, :, None, :] * scale), skip)
 
     def mix(self, pw: Tensor, norm: Tensor, runs: Tensor | None = None) -> Tensor:
         """Weights pw (1, H, M, T) over the reconstructed directions times `norm` (H, T) -> (1, H, M, d), one
@@ -198,6 +199,11 @@ class Coded:
 
     def nbytes(self) -> int:
         return sum(tensor_bytes(ix, levels) + codes.nbytes() for ix, levels, _, codes in self.parts)
+
+
+def _skipped(s: Tensor, skip: Tensor | None) -> Tensor:
+    """Logits s (1, H, M, T) with -inf where skip (H, T)."""
+    return s if skip is None else s.masked_fill_(skip[None, :, None, :], float("-inf"))
 
 
 def coded_nbytes(H: int, T: int, d: int, bits: float) -> int:
@@ -322,20 +328,22 @@ class TurboQuantState:
     def values(self) -> Tensor:
         return self.R.undo(self.v_norm.float()[..., None] * self.v.lookup())
 
-    def scores(self, q: Tensor, scale: float) -> Tensor:
+    def scores(self, q: Tensor, scale: float, skip: Tensor | None = None) -> Tensor:
+        """The protocol's scores; with `skip` (H, T) bool those tokens' logits are -inf (summary's code cover
+        skips the anchors it holds exactly; the kernel writes them in its pass, where it serves)."""
         if self.path == "dequant":
-            return q @ self.keys().transpose(-1, -2) * scale
+            return _skipped(q @ self.keys().transpose(-1, -2) * scale, skip)
         if isinstance(self.k, KeyTransform):
-            return self.k.scores(q) * scale
+            return _skipped(self.k.scores(q) * scale, skip)
         qr = self.R.apply(q)
         if self.signs is None and self.k_mean is None:
-            return self.k.dot(qr, self.k_norm, scale)
+            return self.k.dot(qr, self.k_norm, scale, skip=skip)
         s = self.k.dot(qr, self.k_norm, 1.0)
         if self.signs is not None:
             s = s + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(), self.S.float())
         if self.k_mean is not None:  # the mean's logit, exact, the same for every token
             s = s + q @ self.k_mean.float().transpose(1, 2)
-        return s * scale
+        return _skipped(s * scale, skip)
 
     def mix(self, p: Tensor) -> Tensor:
         if self.path == "dequant":

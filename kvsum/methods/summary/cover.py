@@ -80,7 +80,8 @@ class CoverState:
 
 
 class MaskedState:
-    """Another state over all T tokens of a layer (e.g. TurboQuant codes), with `exclude` (H, T) masked out."""
+    """A TurboQuant state over all T tokens of a layer, with `exclude` (H, T) masked out (its `scores(q, scale,
+    skip)` writes -inf there)."""
 
     def __init__(self, inner, exclude: Tensor):
         self.inner, self.exclude = inner, exclude.to(torch.bool).contiguous()
@@ -92,7 +93,7 @@ class MaskedState:
         return self.inner.nbytes() + tensor_bytes(self.exclude)
 
     def scores(self, q: Tensor, scale: float) -> Tensor:
-        return self.inner.scores(q, scale).masked_fill(self.exclude[None, :, None, :], float("-inf"))
+        return self.inner.scores(q, scale, skip=self.exclude)
 
     def mix(self, p: Tensor) -> Tensor:
         return self.inner.mix(p)
