@@ -46,7 +46,11 @@ PCA = [
 # stores them as 3-bit TurboQuant codes; every eviction method beside it on the same examples and bytes
 SENTENCE = [("full", {}, [1.0]), ("summary+turboquant", dict(score="sentence"), [0.125])] + [
     (m, {}, [0.125]) for m in EVICTION]
-GROUPS = {"main": METHODS, "pca": PCA, "sentence": SENTENCE}
+# --group quarter: the budget-0.25 target. The demo's configuration, a 3-bit code cover of every token under
+# surprisal-ranked anchors, beside every eviction method on the same examples and bytes
+QUARTER = [("full", {}, [1.0]), ("summary", dict(cover_bits=3, score="surprisal"), [0.25])] + [
+    (m, {}, [0.25]) for m in EVICTION]
+GROUPS = {"main": METHODS, "pca": PCA, "sentence": SENTENCE, "quarter": QUARTER}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lm-only", action="store_true", help="only the lm rows (default out: summary_cover_lm)")
     ap.add_argument("--group", choices=tuple(GROUPS), default="main",
                     help="pca: the pca-keyed cover rows; sentence: whole-sentence anchors against every eviction "
-                         "method at 0.125 (default out: summary_cover_<group>)")
+                         "method at 0.125; quarter: the demo's cover against every eviction method at 0.25 "
+                         "(default out: summary_cover_<group>)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048], help="retrieval context lengths")
     args = ap.parse_args(argv)
     if args.out == str(RESULTS / "summary_cover"):
