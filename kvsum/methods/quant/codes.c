@@ -181,8 +181,18 @@ static inline __attribute__((always_inline)) void pass_range(
                                   norm + base, M, NULL, 1)
 #define MIX2(t0, t1, B) pass_range(PART(0, B, NULL, DST(0)), B, PART(1, B - 1, NULL, DST(1)), B - 1, t0, t1, T, \
                                    heads, p + r * M * T, norm + base, M, NULL, 1)
-/* whether a side is an outlier split (channels at bits + 1 and at bits), read in one pass */
-#define SPLIT (nparts == 2 && nbits[0] == nbits[1] + 1 && nbits[1] >= 1)
+/* every part of a side over [t0, t1) with ONE per part, or an outlier split (channels at bits + 1 and at bits)
+   with TWO in one pass */
+#define PARTS(ONE, TWO) \
+    if (nparts == 2 && nbits[0] == nbits[1] + 1 && nbits[1] >= 1) { \
+        const int bits = nbits[0]; \
+        DISPATCH_SPLIT(TWO, t0, t1) \
+    } else { \
+        for (int i = 0; i < nparts; i++) { \
+            const int bits = nbits[i]; \
+            DISPATCH(ONE, t0, t1) \
+        } \
+    }
 #define GROUP(t0, t1, B) pass_range((Part){data + (b * g * d / 8) * B, d, d / 8 * B, levels, qg + b * M * d, NULL}, B, \
                                     NONE, 0, t0, t1, T, 1, NULL, NULL, M, out + h * M * T + gi * g, 0)
 #define RUN(t0, t1, B) pass_range((Part){data + r * ch / 8 * B, ch, d / 8 * B, levels, NULL, dst}, B, NONE, 0, \
@@ -242,15 +252,7 @@ int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const 
         for (int64_t r = 0; r < passes; r++) {
             int64_t base, n, t0, t1;
             share(seg, r, T, k, threads, &base, &n, &t0, &t1);
-            if (SPLIT) {
-                const int bits = nbits[0];
-                DISPATCH_SPLIT(SCORE2, t0, t1)
-            } else {
-                for (int i = 0; i < nparts; i++) {
-                    const int bits = nbits[i];
-                    DISPATCH(SCORE, t0, t1)
-                }
-            }
+            PARTS(SCORE, SCORE2)
             for (int64_t h = 0; h < heads; h++)
                 for (int64_t m = 0; m < M; m++) {
                     float *o = out + ((r + h) * M + m) * T;
@@ -286,15 +288,7 @@ int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *i
         for (int64_t r = 0; r < passes; r++) {
             int64_t base, n, t0, t1;
             share(seg, r, T, k, threads, &base, &n, &t0, &t1);
-            if (SPLIT) {
-                const int bits = nbits[0];
-                DISPATCH_SPLIT(MIX2, t0, t1)
-            } else {
-                for (int i = 0; i < nparts; i++) {
-                    const int bits = nbits[i];
-                    DISPATCH(MIX, t0, t1)
-                }
-            }
+            PARTS(MIX, MIX2)
         }
     }
     for (int k = 0; k < threads; k++)
