@@ -23,7 +23,7 @@ import kvsum
 from kvsum.compress import sentence_ends, token_surprisal
 from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
-from kvsum.methods.base import make_method
+from kvsum.methods.base import make_method, prefill_needs
 
 
 def spec(text: str):
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
     ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     methods = {m: spec(m) for m in args.methods}
-    extras = {k: v for m in methods.values() for k, v in m.prefill_options().items() if v}
+    extras = prefill_needs(methods.values())
     # long enough for every method to fit the budget
     warm = kvsum.prefill(model, ctx[:, :1024], tokenizer=tok, **extras)
     for m in methods.values():  # once per process: codebooks, tables (a server pays this at start-up)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, m in methods.items():
         cache, t_compress = _timed(lambda m=m: kvsum.compress_prefill(pre, m, args.budget), repeat=2)
         # each piece of extra prefill work (surprisal, re-read) is charged to the methods that ask for it
-        extra = sum(extra_s[k] for k, v in m.prefill_options().items() if v)
+        extra = sum(extra_s[k] for k in prefill_needs([m]))
         ratio = cache.nbytes() / cache.reference_nbytes  # right after compression, before decoding grows it
         caches.append(cache)
         rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,

@@ -31,7 +31,7 @@ import kvsum
 from kvsum.breakeven import prose_ids, step_times
 from kvsum.errors import KVSumError
 from kvsum.eval.report import meta
-from kvsum.methods.base import make_method
+from kvsum.methods.base import make_method, prefill_needs
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ["turboquant", "kivi", "summary", "summary+turboquant", "streaming_llm", "snapkv"]
@@ -44,7 +44,7 @@ def _timed(fn):
 
 
 def _needs(name: str) -> dict:
-    return {k: True for k, v in make_method(name).prefill_options().items() if v}
+    return prefill_needs([make_method(name)])
 
 
 def _write(part: str, rows: list[dict], lines, args, merge_key=None, record: bool = True) -> None:

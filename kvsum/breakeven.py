@@ -98,7 +98,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
     from transformers import DynamicCache
 
     from .compress import compress_prefill, prefill
-    from .methods.base import make_method
+    from .methods.base import make_method, prefill_needs
 
     made = {name: make_method(name) for name in methods}  # unknown names fail before any timing
     if new_tokens < 1:
@@ -121,7 +121,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
                         for _ in range(repeat))
             pres, pre_s = {}, {}
             for m in made.values():
-                opts = tuple(sorted(k for k, v in m.prefill_options().items() if v))
+                opts = tuple(sorted(prefill_needs([m])))
                 if opts not in pres:
                     pres[opts], pre_s[opts] = _timed(lambda c=ctx, o=opts: prefill(model, c, tokenizer=tokenizer,
                                                                                    **dict.fromkeys(o, True)))
@@ -130,7 +130,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
             caches = {"full": compress_prefill(base, make_method("full"), 1.0)}
             comp = {}
             for name, m in made.items():
-                opts = tuple(sorted(k for k, v in m.prefill_options().items() if v))
+                opts = tuple(sorted(prefill_needs([m])))
                 rows[name]["prefill_s"].append(pre_s[opts])
                 try:
                     caches[name], comp[name] = _timed(lambda p=pres[opts], m=m: compress_prefill(p, m, budget))

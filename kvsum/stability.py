@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .compress import compress_prefill, prefill
 from .errors import KVSumError
-from .methods import make_method
+from .methods import make_method, prefill_needs
 from .report.specs import Store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -213,7 +213,7 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
 
     base = dict(model=settings.model, prompt_tokens=settings.prompt_tokens, new_tokens=settings.new_tokens,
                 seed=settings.seed)
-    opts = {k: v for name, knobs in specs for k, v in make_method(name, **knobs).prefill_options().items() if v}
+    opts = prefill_needs(make_method(name, **knobs) for name, knobs in specs)
     floor, methods, errors = {}, {}, {}
     complete = True
     units = sum(settings.n_prompts(dt) for dt in settings.dtypes) * (1 + len(specs))

@@ -185,6 +185,20 @@ def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
     assert out.shape[1] == ids.shape[1] + 8
 
 
+def test_code_cover_leaves_the_sinks_to_the_exact_anchors():
+    """The sinks' keys are unlike the others: coded with them they would skew the cover's channel split and mean."""
+    x = _layer_input(T=300, H=2, budget=0.4)
+    x.keys[:, :4] = x.keys[:, :4] * 10 + 20  # sinks far from every other key, as in real models
+    state = make_method("summary", cover_bits=3.5, cover_center=True, sinks=4).compress(x)
+    anchors, cover = state.parts
+    assert cover.inner.T == 296 and cover.exclude.shape == (2, 296)
+    starts = [0, *torch.tensor(anchors.lengths()).cumsum(0)[:-1].tolist()]
+    for h, s in enumerate(starts):  # every head's first anchors are the sinks, exact
+        assert torch.equal(anchors.keys[s:s + 4].float(), x.keys[h, :4])
+    torch.testing.assert_close(cover.inner.k_mean.float()[:, 0], x.keys[:, 4:].mean(1), atol=2e-3, rtol=0)
+    assert state.lengths() == [300, 300]
+
+
 def test_code_cover_widens_keys_in_sharp_layers(tiny, ids):
     cache = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2)
     covers = [layer.state.parts[1].inner for layer in cache.layers]  # ConcatState([anchors, MaskedState])

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..compress import compress_prefill, prefill
 from ..errors import KVSumError
-from ..methods import make_method
+from ..methods import make_method, prefill_needs
 from .metrics import fidelity, summarize_fidelity
 from .report import write  # noqa: F401  (re-exported: run, then write)
 from .tasks import Example, Task, get_task
@@ -89,7 +89,7 @@ def prefill_example(model, tokenizer, t: Task, ex: Example, configs) -> tuple:
     """Prefill one example once, with every extra its configurations ask for, and score the full cache on it:
     (prefill, prefill seconds, reference: the full cache's forced logits and targets, or its score)."""
     t0 = time.perf_counter()
-    opts = {k: v for name, knobs, _ in configs for k, v in make_method(name, **knobs).prefill_options().items() if v}
+    opts = prefill_needs(make_method(name, **knobs) for name, knobs, _ in configs)
     pre = prefill(model, ex.context_ids.to(model.device), tokenizer=tokenizer, **opts)
     prefill_s = time.perf_counter() - t0
     ref_cache = compress_prefill(pre, make_method("full"), 1.0)

@@ -103,6 +103,11 @@ class Method:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+def prefill_needs(methods) -> dict:
+    """The kvsum.prefill extras any of `methods` asks for (the union of their prefill_options), as keywords."""
+    return {k: True for m in methods for k, v in m.prefill_options().items() if v}
+
+
 def make_method(name: str, **knobs) -> Method:
     """Build a registered method from its name and keyword knobs, with clear errors for either.
     "a+b" composes a method with a quantizer (kvsum/methods/compose.py says how knobs are routed)."""

@@ -21,7 +21,7 @@ import torch
 from ..compress import compress_prefill, prefill
 from ..errors import KVSumError
 from ..eval.tasks import LMFidelity, example_seed
-from ..methods import make_method
+from ..methods import make_method, prefill_needs
 from .specs import Store
 
 
@@ -73,7 +73,7 @@ def _request(model, tokenizer, ids, new: int, name: str, knobs: dict, budget: fl
     """Seconds for one request with the method always on: kvsum prefill, compress, `new` tokens; and the ratio."""
     method = make_method(name, **knobs)
     t0 = time.perf_counter()
-    pre = prefill(model, ids[:, :-1], tokenizer=tokenizer, **{k: v for k, v in method.prefill_options().items() if v})
+    pre = prefill(model, ids[:, :-1], tokenizer=tokenizer, **prefill_needs([method]))
     cache = compress_prefill(pre, method, budget, consume=True)
     _decode(model, ids[:, -1:], cache, new)
     return time.perf_counter() - t0, cache.nbytes() / cache.reference_nbytes
@@ -163,7 +163,7 @@ def _baseline(model, tokenizer, length: int, specs) -> dict:
     prefill_s = time.perf_counter() - t0
     full_step = statistics.median(_decode(model, ids[:, -1:], out.cache, 6)[1:])
     del out
-    opts = {k: v for name, knobs in specs for k, v in make_method(name, **knobs).prefill_options().items() if v}
+    opts = prefill_needs(make_method(name, **knobs) for name, knobs in specs)
     t0 = time.perf_counter()
     pre = prefill(model, ids[:, :-1], tokenizer=tokenizer, **opts)
     return dict(ids=ids, pre=pre, prefill_s=prefill_s, kvsum_prefill_s=time.perf_counter() - t0, full_step=full_step)

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..methods import REGISTRY, make_method
+from ..methods import REGISTRY, make_method, prefill_needs
 
 ACC_DROP = 10.0  # points of retrieval accuracy below the full cache on the same examples, at most
 KL_MAX = 0.1  # nats of KL(full || compressed) on the lm task, at most
@@ -75,7 +75,7 @@ def complexity(specs, rows: list[dict], scaling: list[dict], reconstruct_json: P
         comp = [r["compress_s"] for r in rows if r["method"] == name]
         dec = [r for r in scaling if r["method"] == name and r["length"] == longest]
         art = artifact_info(knobs, reconstruct_json)
-        extras = [k for k, v in m.prefill_options().items() if v]
+        extras = list(prefill_needs([m]))
         if getattr(m, "needs_queries", False):
             extras.insert(0, "reference queries")
         if "+" in name:  # a composition's knobs are its parts' knobs

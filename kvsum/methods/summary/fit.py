@@ -32,6 +32,16 @@ def causal_logits(q: Tensor, pos: Tensor, keys: Tensor, scale: float, key_pos: T
     return logits
 
 
+def surprisal_spans(surprisal: Tensor, span: int) -> Tensor:
+    """Token surprisal (T,) averaged over `span` neighbours (facts are spans of tokens); position 0, which has
+    no surprisal, ranks with the most surprising."""
+    s = surprisal.clone()
+    s[0] = s[1:].max() if len(s) > 1 else 0.0
+    if span > 1:
+        s = torch.nn.functional.avg_pool1d(s[None, None], span, 1, span // 2, count_include_pad=False)[0, 0, :len(s)]
+    return s
+
+
 def normalized_entropy(p: Tensor, pos: Tensor) -> Tensor:
     """Entropy of each attention row over log(number of visible keys): 0 = one key, 1 = uniform."""
     ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
