@@ -336,12 +336,14 @@ class TurboQuantState:
         if isinstance(self.k, KeyTransform):
             return _skipped(self.k.scores(q) * scale, skip)
         qr = self.R.apply(q)
-        if self.signs is None and self.k_mean is None:
-            return self.k.dot(qr, self.k_norm, scale, skip=skip)
-        s = self.k.dot(qr, self.k_norm, 1.0)
-        if self.signs is not None:
-            s = s + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(), self.S.float())
-        if self.k_mean is not None:  # the mean's logit, exact, the same for every token
+        if self.signs is None:  # scale and skip inside the codes' pass (the kernel's, where it serves)
+            s = self.k.dot(qr, self.k_norm, scale, skip=skip)
+            if self.k_mean is not None:  # the mean's logit, exact, the same for every token (-inf stays -inf)
+                s += q @ self.k_mean.float().transpose(1, 2) * scale
+            return s
+        s = self.k.dot(qr, self.k_norm, 1.0) + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(),
+                                                             self.S.float())
+        if self.k_mean is not None:
             s = s + q @ self.k_mean.float().transpose(1, 2)
         return _skipped(s * scale, skip)
 
