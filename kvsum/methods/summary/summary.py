@@ -238,8 +238,9 @@ class Summary(Method):
         lr_bytes = int(budget * self.lowrank_share)
         forced = torch.cat([torch.arange(min(self.sinks, T)), torch.arange(max(T - self.window, 0), T)]).unique()
         importance[forced.to(importance.device)] = float("inf")
-        order = torch.argsort(importance, descending=True, stable=True)  # the sinks first among the forced
-        n_anchor = max(n_anchor, min(self.sinks, T) if anchors_only else 0)  # a cover does not hold the sinks
+        # with a code cover the sinks must be anchors (the cover does not hold them): first among the forced
+        order = torch.argsort(importance, descending=True, stable=anchors_only)
+        n_anchor = max(n_anchor, min(self.sinks, T) if anchors_only else 0)
         anchor_idx = order[:n_anchor].sort().values
         if anchors_only:
             return (x.keys[h, anchor_idx], x.values[h, anchor_idx], anchor_idx), None, None
