@@ -80,8 +80,8 @@ class CoverState:
 
 
 class MaskedState:
-    """A TurboQuant state over all T tokens of a layer, with `exclude` (H, T) masked out (its `scores(q, scale,
-    skip)` writes -inf there)."""
+    """A TurboQuant state over n tokens of a layer (summary's code cover: all but the sinks), with `exclude`
+    (H, n) masked out (its `scores(q, scale, skip)` writes -inf there)."""
 
     def __init__(self, inner, exclude: Tensor):
         self.inner, self.exclude = inner, exclude.to(torch.bool).contiguous()
