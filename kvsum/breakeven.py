@@ -101,6 +101,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
     from .methods.base import make_method, prefill_needs
 
     made = {name: make_method(name) for name in methods}  # unknown names fail before any timing
+    needs = {name: tuple(sorted(prefill_needs([m]))) for name, m in made.items()}  # the prefill each one asks for
     if new_tokens < 1:
         raise KVSumError(f"new_tokens must be >= 1, got {new_tokens}")
     lengths = sorted(int(n) for n in lengths)
@@ -120,8 +121,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
             plain = min(_timed(lambda c=ctx: decoder(c, cache=DynamicCache(), use_cache=True))[1]
                         for _ in range(repeat))
             pres, pre_s = {}, {}
-            for m in made.values():
-                opts = tuple(sorted(prefill_needs([m])))
+            for opts in needs.values():
                 if opts not in pres:
                     pres[opts], pre_s[opts] = _timed(lambda c=ctx, o=opts: prefill(model, c, tokenizer=tokenizer,
                                                                                    **dict.fromkeys(o, True)))
@@ -130,7 +130,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
             caches = {"full": compress_prefill(base, make_method("full"), 1.0)}
             comp = {}
             for name, m in made.items():
-                opts = tuple(sorted(prefill_needs([m])))
+                opts = needs[name]
                 rows[name]["prefill_s"].append(pre_s[opts])
                 try:
                     caches[name], comp[name] = _timed(lambda p=pres[opts], m=m: compress_prefill(p, m, budget))

@@ -335,12 +335,9 @@ class TurboQuantState:
             return _skipped(q @ self.keys().transpose(-1, -2) * scale, skip)
         if isinstance(self.k, KeyTransform):
             return _skipped(self.k.scores(q) * scale, skip)
-        qr = self.R.apply(q)
         if self.signs is None:  # scale and skip inside the codes' pass (the kernel's, where it serves)
-            s = self.k.dot(qr, self.k_norm, scale, skip=skip)
-            if self.k_mean is not None:  # the mean's logit, exact, the same for every token (-inf stays -inf)
-                s += q @ self.k_mean.float().transpose(1, 2) * scale
-            return s
+            return self._code_logits(q, scale, skip=skip)
+        qr = self.R.apply(q)
         s = self.k.dot(qr, self.k_norm, 1.0) + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(),
                                                              self.S.float())
         if self.k_mean is not None:
@@ -362,9 +359,14 @@ class TurboQuantState:
         """A store of one head holding H heads' entries one run after another (composition's ragged heads):
         queries q (1, H, M, d) of head h against run h only, (1, H, M, longest run), -inf past each run's end;
         `bias` (T,) is added to each entry's logit. Each code is decoded once, for its own head's M rows."""
-        s = self.k.dot(self.R.apply(q), self.k_norm, scale, bias, runs)
-        if self.k_mean is not None:  # the mean's logit, the same for every token of a run
-            s = s + q @ self.k_mean.float().transpose(1, 2) * scale
+        return self._code_logits(q, scale, add=bias, runs=runs)
+
+    def _code_logits(self, q: Tensor, scale: float, **read) -> Tensor:
+        """Queries q (1, H, M, d) against the MSE key codes, times `scale`, read as Coded.dot's `read` keywords
+        say; plus the centered keys' mean logit, exact and the same for every token (-inf stays -inf)."""
+        s = self.k.dot(self.R.apply(q), self.k_norm, scale, **read)
+        if self.k_mean is not None:
+            s += q @ self.k_mean.float().transpose(1, 2) * scale
         return s
 
     def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:
