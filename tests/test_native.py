@@ -102,23 +102,6 @@ def test_kernel_reads_runs_of_one_head(bits, lengths, threads):
         native.score(parts, q, state.k_norm, 0.5, None, runs[:-1])
 
 
-@pytest.mark.skipif(not SERVED, reason="needs a CPU with AVX2 and a C compiler")
-@pytest.mark.parametrize("center", [False, True])
-def test_skipped_tokens_score_minus_inf_on_both_paths(lookup_path, center):
-    """summary's code cover skips the anchors it holds exactly: the kernel writes -inf in its pass, the other
-    paths mask afterwards; the rest is unchanged."""
-    torch.manual_seed(1)
-    H, T, d = 3, 301, 64
-    state = TurboQuant(bits=3.5, center=center).build(torch.randn(H, T, d), torch.randn(H, T, d), 3.5, 0)
-    q, skip = torch.randn(1, H, 3, d), torch.rand(H, T) < 0.3
-    s = state.scores(q, 0.125, skip=skip)
-    s0 = lookup_path(lambda: state.scores(q, 0.125, skip=skip))
-    plain = state.scores(q, 0.125)
-    for x in (s, s0):
-        assert torch.isneginf(x[0].transpose(0, 1)[:, skip]).all()
-        assert _rel(x[0].transpose(0, 1)[:, ~skip], plain[0].transpose(0, 1)[:, ~skip]) < 1e-5
-
-
 def test_without_a_compiler_it_warns_and_falls_back(monkeypatch, tmp_path, lookup_path):
     monkeypatch.setenv("KVSUM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

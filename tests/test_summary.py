@@ -173,6 +173,26 @@ def test_cover_at_full_rank_is_exact_and_masks_anchors(rope):
     assert state.lengths() == [48, 47, 48]
 
 
+@pytest.mark.parametrize("center", [False, True])
+def test_code_cover_skips_its_anchors_at_a_few_bytes_each(center):
+    """The code cover's logits are -inf at the tokens its head holds exactly and unchanged elsewhere; the skipped
+    tokens cost their indices (8 bytes each), not a byte for every token of every head."""
+    from kvsum.methods.quant.turboquant import TurboQuant
+    from kvsum.methods.summary.cover import EXCLUDED_BYTES, MaskedState
+
+    torch.manual_seed(1)
+    H, T, d = 3, 301, 64
+    inner = TurboQuant(bits=3.5, center=center).build(torch.randn(H, T, d), torch.randn(H, T, d), 3.5, 0)
+    exclude = torch.rand(H, T) < 0.1
+    state = MaskedState(inner, exclude)
+    q = torch.randn(1, H, 3, d)
+    s, plain = state.scores(q, 0.125), inner.scores(q, 0.125)
+    assert torch.isneginf(s[0].transpose(0, 1)[:, exclude]).all()
+    assert torch.equal(s[0].transpose(0, 1)[:, ~exclude], plain[0].transpose(0, 1)[:, ~exclude])
+    assert state.lengths() == (T - exclude.sum(1)).tolist()
+    assert state.nbytes() == inner.nbytes() + EXCLUDED_BYTES * int(exclude.sum())
+
+
 @pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2), dict(cover_bits=1.5, cover_basis="pca"),
                                    dict(cover_bits=1.5, cover_center=True),
                                    dict(cover_bits=2, cover_rotation="hadamard")])
@@ -191,7 +211,7 @@ def test_code_cover_leaves_the_sinks_to_the_exact_anchors():
     x.keys[:, :4] = x.keys[:, :4] * 10 + 20  # sinks far from every other key, as in real models
     state = make_method("summary", cover_bits=3.5, cover_center=True, sinks=4).compress(x)
     anchors, cover = state.parts
-    assert cover.inner.T == 296 and cover.exclude.shape == (2, 296)
+    assert cover.inner.T == 296 and (cover.exclude.H, cover.exclude.T) == (2, 296)
     starts = [0, *torch.tensor(anchors.lengths()).cumsum(0)[:-1].tolist()]
     for h, s in enumerate(starts):  # every head's first anchors are the sinks, exact
         assert torch.equal(anchors.keys[s:s + 4].float(), x.keys[h, :4])

@@ -204,7 +204,6 @@ static inline __attribute__((always_inline)) void pass_range(
    memory for their scratch could not be had (out is then not filled).
 
    kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j) + add[h, t]   (add: NULL, 0)
-                   or -inf where skip[h, t] (skip: NULL, none), e.g. tokens another state holds exactly
    kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)
    with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code.
 
@@ -242,7 +241,7 @@ static inline void share(const int64_t *seg, int64_t r, int64_t T, int k, int th
 
 int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
                    const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *q, int64_t M,
-                   const float *norm, float scale, const float *add, const uint8_t *skip, const int64_t *seg, float *out,
+                   const float *norm, float scale, const float *add, const int64_t *seg, float *out,
                    int threads) {
     float *qp[MAX_PARTS];
     if (nparts > MAX_PARTS || gather_queries(nparts, idx, c, H, seg != NULL, d, q, M, qp)) return -1;
@@ -257,9 +256,8 @@ int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const 
                 for (int64_t m = 0; m < M; m++) {
                     float *o = out + ((r + h) * M + m) * T;
                     const float *nh = norm + h * T + base, *ah = add ? add + h * T + base : NULL;
-                    const uint8_t *sk = skip ? skip + h * T + base : NULL;
                     for (int64_t t = t0; t < t1; t++)
-                        o[t] = sk && sk[t] ? -INFINITY : o[t] * scale * nh[t] + (ah ? ah[t] : 0.0f);
+                        o[t] = o[t] * scale * nh[t] + (ah ? ah[t] : 0.0f);
                     for (int64_t t = n + (T - n) * k / threads; t < n + (T - n) * (k + 1) / threads; t++)
                         o[t] = -INFINITY;
                 }

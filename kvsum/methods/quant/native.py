@@ -74,7 +74,7 @@ def library() -> ctypes.CDLL | None:
     head = [ctypes.c_int, ptrs, ptrs, ptrs, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_int), i64, i64, i64,
             ctypes.c_void_p, i64, ctypes.c_void_p]
     vp = ctypes.c_void_p
-    lib.kv_score_coded.argtypes = [*head, ctypes.c_float, vp, vp, vp, vp, ctypes.c_int]
+    lib.kv_score_coded.argtypes = [*head, ctypes.c_float, vp, vp, vp, ctypes.c_int]
     lib.kv_mix_coded.argtypes = [*head, vp, vp, ctypes.c_int]
     lib.kv_score_groups.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, ctypes.c_int]
     lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, vp, vp, ctypes.c_int]
@@ -135,17 +135,16 @@ def _threads(T: int) -> int:
 
 
 def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None = None,
-          runs: Tensor | None = None, skip: Tensor | None = None) -> Tensor:
+          runs: Tensor | None = None) -> Tensor:
     """Queries q (H, M, d) against the coded side -> (H, M, T): scale * norm[h, t] * <q[h, m], levels(t, h)>
-    (+ add[h, t]), -inf where skip[h, t] (bool). With `runs` (H + 1 token offsets into a side of one head) query
+    (+ add[h, t]). With `runs` (H + 1 token offsets into a side of one head) query
     head h reads only tokens runs[h] to runs[h + 1]: (H, M, longest run), -inf past the end of each run."""
     runs = _runs(runs, q.shape[0], parts)
     args, keep = _side(parts, q.shape[-1], runs, q.shape[0])
     q, norm = q.float().contiguous(), norm.float().contiguous()
     add = add.float().contiguous() if add is not None else None
-    skip = skip.to(torch.uint8).contiguous() if skip is not None else None
     out = q.new_zeros(q.shape[0], q.shape[1], args[6])
-    _check(library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, _ptr(add), _ptr(skip),
+    _check(library().kv_score_coded(*args, q.data_ptr(), q.shape[1], norm.data_ptr(), scale, _ptr(add),
                                     _ptr(runs), out.data_ptr(), _threads(parts[0][0].shape[0])))
     return out
 

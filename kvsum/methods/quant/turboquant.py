@@ -164,21 +164,20 @@ class Coded:
         return parts if native.usable(parts, rows) else None
 
     def dot(self, qr: Tensor, norm: Tensor, scale: float, add: Tensor | None = None,
-            runs: Tensor | None = None, skip: Tensor | None = None) -> Tensor:
+            runs: Tensor | None = None) -> Tensor:
         """Rotated queries qr (1, H, M, d) against the reconstructed directions times `norm` (H, T) and `scale`
-        -> (1, H, M, T), -inf where `skip` (H, T); read from the packed codes by native.py's kernel where it
-        serves. `add` and `runs` (kernel only, see native.score): one head's tokens read in runs, one per query
-        head, plus `add`."""
+        -> (1, H, M, T); read from the packed codes by native.py's kernel where it serves. `add` and `runs`
+        (kernel only, see native.score): one head's tokens read in runs, one per query head, plus `add`."""
         parts = self._native(qr.shape[2])
         if parts is not None:
-            return native.score(parts, qr[0], norm, scale, add, runs, skip)[None]
+            return native.score(parts, qr[0], norm, scale, add, runs)[None]
         if runs is not None:
             raise KVSumError("turboquant: codes are read in runs only through the packed-code kernel")
         s = 0
         for ix, levels, _, codes in self.parts:
             part = qr if ix is None else qr.gather(3, ix.long()[None, :, None, :].expand(*qr.shape[:3], -1))
             s = s + part @ self._levels(levels, codes).transpose(-1, -2)
-        return _skipped(s * (norm.float()[None, :, None, :] * scale), skip)
+        return s * (norm.float()[None, :, None, :] * scale)
 
     def mix(self, pw: Tensor, norm: Tensor, runs: Tensor | None = None) -> Tensor:
         """Weights pw (1, H, M, T) over the reconstructed directions times `norm` (H, T) -> (1, H, M, d), one
@@ -199,11 +198,6 @@ class Coded:
 
     def nbytes(self) -> int:
         return sum(tensor_bytes(ix, levels) + codes.nbytes() for ix, levels, _, codes in self.parts)
-
-
-def _skipped(s: Tensor, skip: Tensor | None) -> Tensor:
-    """Logits s (1, H, M, T) with -inf where skip (H, T)."""
-    return s if skip is None else s.masked_fill_(skip[None, :, None, :], float("-inf"))
 
 
 def coded_nbytes(H: int, T: int, d: int, bits: float) -> int:
@@ -328,21 +322,19 @@ class TurboQuantState:
     def values(self) -> Tensor:
         return self.R.undo(self.v_norm.float()[..., None] * self.v.lookup())
 
-    def scores(self, q: Tensor, scale: float, skip: Tensor | None = None) -> Tensor:
-        """The protocol's scores; with `skip` (H, T) bool those tokens' logits are -inf (summary's code cover
-        skips the anchors it holds exactly; the kernel writes them in its pass, where it serves)."""
+    def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.path == "dequant":
-            return _skipped(q @ self.keys().transpose(-1, -2) * scale, skip)
+            return q @ self.keys().transpose(-1, -2) * scale
         if isinstance(self.k, KeyTransform):
-            return _skipped(self.k.scores(q) * scale, skip)
-        if self.signs is None:  # scale and skip inside the codes' pass (the kernel's, where it serves)
-            return self._code_logits(q, scale, skip=skip)
+            return self.k.scores(q) * scale
+        if self.signs is None:  # the scale inside the codes' pass (the kernel's, where it serves)
+            return self._code_logits(q, scale)
         qr = self.R.apply(q)
         s = self.k.dot(qr, self.k_norm, 1.0) + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(),
                                                              self.S.float())
         if self.k_mean is not None:
             s = s + q @ self.k_mean.float().transpose(1, 2)
-        return _skipped(s * scale, skip)
+        return s * scale
 
     def mix(self, p: Tensor) -> Tensor:
         if self.path == "dequant":

@@ -23,12 +23,38 @@ from ...calibrate import rope_tables, rotate, unrotate
 from ...state import tensor_bytes
 from .fit import lowrank_factors
 
+EXCLUDED_BYTES = 8  # an excluded token's flat (head, position) index, int64: each anchor a cover skips costs this too
+
 
 def cover_bytes(T: int, H: int, d: int, rank_k: int, rank_v: int, elem: int) -> int:
-    """Bytes of a cover of T tokens: per side a mean (H*d), a basis (H*d, r) and coefficients (T, r),
-    plus the (H, T) anchor mask as one byte per entry."""
+    """Bytes of a cover of T tokens: per side a mean (H*d), a basis (H*d, r) and coefficients (T, r). The
+    anchors it skips are counted with the anchors (EXCLUDED_BYTES each)."""
     n = H * d
-    return sum((n + n * r + T * r) * elem for r in (rank_k, rank_v)) + H * T
+    return sum((n + n * r + T * r) * elem for r in (rank_k, rank_v))
+
+
+class Excluded:
+    """The tokens of an (H, T) cover that another state holds exactly for their head (summary's anchors), kept
+    as flat indices h * T + t: a few dozen per head, so 8 bytes each beat a byte for every token of every head."""
+
+    def __init__(self, mask: Tensor):
+        self.H, self.T = mask.shape
+        self.flat = mask.flatten().nonzero()[:, 0]
+
+    def lengths(self) -> list[int]:
+        return [self.T - int(n) for n in torch.bincount(self.flat // self.T, minlength=self.H)]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.flat)
+
+    def fill(self, s: Tensor) -> Tensor:
+        """Logits s (1, H, M, T), -inf written in place at the excluded tokens (one index_fill at a decoding
+        step, where M = 1)."""
+        if s.shape[2] == 1 and s.is_contiguous():
+            s.view(-1).index_fill_(0, self.flat, float("-inf"))
+        else:
+            s[0, self.flat // self.T, :, self.flat % self.T] = float("-inf")
+        return s
 
 
 class CoverState:
@@ -49,16 +75,16 @@ class CoverState:
             mean, _, basis = lowrank_factors(flat[w][fit], r)
             coef = (flat[w] - mean) @ basis
             self.factors[w] = tuple(t.to(dtype).contiguous() for t in (mean, coef, basis))
-        self.exclude = exclude.to(torch.bool).contiguous()
+        self.exclude = Excluded(exclude)
 
     def _tables(self, device) -> tuple[Tensor, Tensor]:
         return rope_tables(self.rope["inv_freq"], self.rope["scaling"], self.T, device)
 
     def lengths(self) -> list[int]:
-        return [self.T - int(n) for n in self.exclude.sum(1)]
+        return self.exclude.lengths()
 
     def nbytes(self) -> int:
-        return tensor_bytes(*self.factors["k"], *self.factors["v"], self.exclude)
+        return tensor_bytes(*self.factors["k"], *self.factors["v"]) + self.exclude.nbytes()
 
     def _per_head(self, w: str) -> tuple[Tensor, Tensor, Tensor]:
         mean, coef, basis = (t.float() for t in self.factors[w])
@@ -71,7 +97,7 @@ class CoverState:
         else:
             keys = (coef @ basis.transpose(1, 2)) + mean[:, None]  # (H, T, d) before RoPE
             s = q[0] @ rotate(keys, *self._tables(q.device)).transpose(1, 2)
-        return (s * scale).masked_fill(self.exclude[:, None, :], float("-inf"))[None]
+        return self.exclude.fill((s * scale)[None])
 
     def mix(self, p: Tensor) -> Tensor:
         mean, coef, basis = self._per_head("v")
@@ -81,19 +107,19 @@ class CoverState:
 
 class MaskedState:
     """A TurboQuant state over n tokens of a layer (summary's code cover: all but the sinks), with `exclude`
-    (H, n) masked out (its `scores(q, scale, skip)` writes -inf there)."""
+    (H, n) bool masked out of its scores."""
 
     def __init__(self, inner, exclude: Tensor):
-        self.inner, self.exclude = inner, exclude.to(torch.bool).contiguous()
+        self.inner, self.exclude = inner, Excluded(exclude)
 
     def lengths(self) -> list[int]:
-        return [self.exclude.shape[1] - int(n) for n in self.exclude.sum(1)]
+        return self.exclude.lengths()
 
     def nbytes(self) -> int:
-        return self.inner.nbytes() + tensor_bytes(self.exclude)
+        return self.inner.nbytes() + self.exclude.nbytes()
 
     def scores(self, q: Tensor, scale: float) -> Tensor:
-        return self.inner.scores(q, scale, skip=self.exclude)
+        return self.exclude.fill(self.inner.scores(q, scale))
 
     def mix(self, p: Tensor) -> Tensor:
         return self.inner.mix(p)
