@@ -67,17 +67,12 @@ class EntryState:
                 torch.arange(self.H, dtype=idx_dtype), torch.tensor(self._lengths)).to(self.keys.device)
         else:
             self.head_of = None
-        # the masked matmul's (H, N) mask, built once (H bytes an entry, counted) rather than at every step
-        self.foreign = None
-        if self.head_of is not None and self._masked():
-            heads = torch.arange(self.H, dtype=self.head_of.dtype, device=self.keys.device)
-            self.foreign = self.head_of[None, :] != heads[:, None]
 
     def lengths(self) -> list[int]:
         return list(self._lengths)
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.keys, self.values, self.bias, self.head_of, self.foreign)
+        return tensor_bytes(self.keys, self.values, self.bias, self.head_of)
 
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.uniform:
@@ -90,7 +85,7 @@ class EntryState:
             H, M, d = q.shape[1:]
             q2, k = q.reshape(H * M, d), self.keys.float().t()
             s = q2 @ k * scale if self.bias is None else torch.addmm(self.bias.float(), q2, k, alpha=scale)
-            return s.view(H, M, -1).masked_fill_(self.foreign[:, None, :], float("-inf"))[None]
+            return s.view(H, M, -1).masked_fill_(self._foreign()[:, None, :], float("-inf"))[None]
         # many: one matmul per head over its own entries, padded with -inf to the longest head
         s = q.new_full((*q.shape[:3], max(self._lengths)), float("-inf"))
         for h, (a, n) in enumerate(self._slices()):
@@ -107,6 +102,10 @@ class EntryState:
         than one matmul per head (about ten small operations a head): the former is faster up to about a
         thousand entries in all (a decoding step over SmolLM2's summary anchors), the latter beyond."""
         return self.keys.shape[0] <= MASKED_MAX
+
+    def _foreign(self) -> Tensor:
+        """(H, N) bool: entry n belongs to another head than h."""
+        return self.head_of[None, :] != torch.arange(self.H, device=self.keys.device, dtype=self.head_of.dtype)[:, None]
 
     def _slices(self):
         start = 0

@@ -173,8 +173,9 @@ def test_cover_at_full_rank_is_exact_and_masks_anchors(rope):
     assert state.lengths() == [48, 47, 48]
 
 
+@pytest.mark.parametrize("rows", [1, 3])  # a decoding step's one query row (one index_fill) and several
 @pytest.mark.parametrize("center", [False, True])
-def test_code_cover_skips_its_anchors_at_a_few_bytes_each(center):
+def test_code_cover_skips_its_anchors_at_a_few_bytes_each(center, rows):
     """The code cover's logits are -inf at the tokens its head holds exactly and unchanged elsewhere; the skipped
     tokens cost their indices (8 bytes each), not a byte for every token of every head."""
     from kvsum.methods.quant.turboquant import TurboQuant
@@ -185,7 +186,7 @@ def test_code_cover_skips_its_anchors_at_a_few_bytes_each(center):
     inner = TurboQuant(bits=3.5, center=center).build(torch.randn(H, T, d), torch.randn(H, T, d), 3.5, 0)
     exclude = torch.rand(H, T) < 0.1
     state = MaskedState(inner, exclude)
-    q = torch.randn(1, H, 3, d)
+    q = torch.randn(1, H, rows, d)
     s, plain = state.scores(q, 0.125), inner.scores(q, 0.125)
     assert torch.isneginf(s[0].transpose(0, 1)[:, exclude]).all()
     assert torch.equal(s[0].transpose(0, 1)[:, ~exclude], plain[0].transpose(0, 1)[:, ~exclude])
