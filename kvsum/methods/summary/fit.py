@@ -24,7 +24,7 @@ def causal_logits(q: Tensor, pos: Tensor, keys: Tensor, scale: float, key_pos: T
     """(n, m) scaled logits; a query at position p sees keys at positions <= p only.
 
     `key_pos` gives the keys' positions (default 0..m-1)."""
-    logits = q @ keys.t() * scale
+    logits = (q * scale) @ keys.t()
     if key_pos is None:
         key_pos = torch.arange(keys.shape[0], device=keys.device)
     if bool((pos < key_pos.max()).any()):  # window queries see every key: skip the mask for them
@@ -88,8 +88,7 @@ def fit_chunk_summaries(logits: Tensor, q: Tensor, scale: float, keys: Tensor, v
     row_max = logits.max(-1, keepdim=True).values.clamp_min(-1e30)
     e = torch.exp(logits - row_max)  # a per-query scale that cancels in every ratio below
     Z = torch.zeros(n, n_chunks, device=dev).index_add_(1, chunk, e)  # (n, C) chunk masses
-    share_tok = e / Z.sum(-1, keepdim=True).clamp_min(1e-30)
-    mass = share_tok.sum(0)  # (m,) attention each dropped token receives over the references
+    mass = e.t() @ (1.0 / Z.sum(-1).clamp_min(1e-30))  # (m,) attention each dropped token receives over the references
     # representative of each chunk: its most attended token (ties and unseen chunks: the last one)
     order = torch.argsort(chunk.double() * (float(mass.max()) + 1.0) + mass.double())
     rep = torch.zeros(n_chunks, dtype=torch.long, device=dev).scatter_(0, chunk[order], order)
