@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lm-only", action="store_true", help="only the lm rows (default out: summary_cover_lm)")
     ap.add_argument("--group", choices=tuple(GROUPS), default="main",
                     help="pca: the pca-keyed cover rows; sentence: whole-sentence anchors against every eviction "
-                         "method at 0.125; quarter: the demo's cover against every eviction method at 0.25 "
+                         "method at 0.125; quarter: the demo's cover against every eviction method at 0.25; "
                          "cover: that cover against the full cache alone (default out: summary_cover_<group>)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048], help="retrieval context lengths")
     args = ap.parse_args(argv)
