@@ -53,6 +53,8 @@ OUTLIERS = tq(key_basis="pca", outliers=0.01)
 CENTER = tq(center=True)  # the defaults with each head's keys coded less their prompt mean (its logit exact)
 HADAMARD = tq(rotation="hadamard")  # each layer's rotation held as d seeded signs around a Hadamard matrix
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
+# KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
+KIVI_SINKS = [("kivi", {"bits": b, **knobs}, [1.0]) for b in (4, 2) for knobs in ({}, {"sinks": 4})]
 
 
 class OneSide:
@@ -100,7 +102,7 @@ class TurboQuantOneSide(TurboQuant):
 SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
-          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "sides": SIDES}
+          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "sides": SIDES, "kivi": KIVI_SINKS}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
@@ -150,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compose-bits", type=float, nargs="*", default=None,
                     help="lm: summary+turboquant at these bit widths (default: its default width)")
     ap.add_argument("--no-quant", action="store_true", help="lm: only the budget-0.0625 comparison")
-    ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=[g for g in GROUPS if g != "sides"],
-                    help="retrieval / lm: which quantizer rows run beside full")
+    ap.add_argument("--groups", nargs="+", choices=list(GROUPS),
+                    default=[g for g in GROUPS if g not in ("sides", "kivi")],
+                    help="retrieval / lm: which quantizer rows run beside full (sides and kivi only when named)")
     ap.add_argument("--steps", type=int, default=40, help="decode: tokens decoded per round")
     ap.add_argument("--repeats", type=int, default=3, help="decode: interleaved rounds")
     args = ap.parse_args(argv)

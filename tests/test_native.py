@@ -137,14 +137,17 @@ def test_an_unwritable_cache_warns_and_falls_back(monkeypatch, tmp_path):
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("H,T,d,M,n_q", [(3, 1000, 64, 3, 864), (1, 300, 256, 4, 160), (2, 200, 64, 16, 192),
                                          (3, 100, 64, 1, 96)])
-def test_kernel_matches_the_lookup_path_for_kivi(bits, H, T, d, M, n_q):
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_kernel_matches_the_lookup_path_for_kivi(bits, H, T, d, M, n_q, sinks):
     """KIVI's per-group key scales and minima, and its per-token value scales and minima, folded around the
-    kernel: the same scores and outputs as dequantizing every code (full-precision residual included)."""
+    kernel: the same scores and outputs as dequantizing every code (exact sinks and full-precision residual
+    included)."""
     from kvsum.methods.quant.kivi import KIVI
 
     torch.manual_seed(bits)
-    state = KIVI(bits=bits).build(torch.randn(H, T, d) * 2, torch.randn(H, T, d), bits, torch.float16, n_q)
-    assert state._native(M) and state.pending() == T - n_q
+    state = KIVI(bits=bits, sinks=sinks).build(torch.randn(H, T, d) * 2, torch.randn(H, T, d), bits, torch.float16,
+                                               n_q)
+    assert state._native(M) and state.pending() == T - sinks - n_q
     q, p = torch.randn(1, H, M, d), torch.rand(1, H, M, T).softmax(-1)
     s, o = state.scores(q, 0.125), state.mix(p)
     ref_s, ref_o = q @ state.keys().transpose(-1, -2) * 0.125, p @ state.values()

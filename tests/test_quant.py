@@ -120,6 +120,28 @@ def test_qjl_pays_for_unbiased_logits_with_their_spread():
     assert mse[True] > 1.5 * mse[False]
 
 
+def test_kivi_sinks_stay_exact_and_no_longer_widen_the_first_group():
+    """sinks=4: the first tokens are held in the storage dtype (counted as the planner counts them), the codes
+    and the window follow; an outlier sink key no longer sets the first key group's channel scales."""
+    x = _layer(T=300)
+    x.keys[:, 0] *= 50  # an attention sink's key: an outlier in every channel of its group
+    plain = make_method("kivi", bits=2, group=8, residual=128).compress(x)
+    m = make_method("kivi", bits=2, group=8, residual=128, sinks=4)
+    s = m.compress(x)
+    assert s.n_q == 168 and s.pending() == 300 - 4 - 168 and s.lengths() == [300] * x.H  # (300 - 4 - 128) // 8 * 8
+    assert torch.equal(s.keys()[:, :4], x.keys[:, :4].half().float())
+    assert torch.equal(s.values()[:, :4], x.values[:, :4].half().float())
+    assert torch.equal(s.keys()[:, 4 + 168:], x.keys[:, 4 + 168:].half().float())
+    assert s.nbytes() == m.nbytes(x.H, 300, x.d, 2, x.storage)
+
+    def err(state, lo):  # mean key error over one group's tokens after the sink
+        return (state.keys()[:, lo:lo + 7] - x.keys[:, lo:lo + 7]).abs().mean()
+
+    assert 4 * err(s, 4) < err(plain, 1)  # 6.5x here
+    with pytest.raises(kvsum.KVSumError, match="kivi: sinks must be an integer >= 0"):
+        make_method("kivi", sinks=-1)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_error_within_half_a_scale(bits):
     x = _layer(T=300)

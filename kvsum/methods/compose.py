@@ -117,7 +117,9 @@ class Composed(Method):
 
     def _build(self, keys: Tensor, values: Tensor, layer_idx: int, storage: torch.dtype, all_coded: bool = False):
         if self.quant.name == "kivi":
-            return self.quant.build(keys, values, self.bits, storage, keys.shape[1] if all_coded else None)
+            if all_coded:  # decoded tokens: every one coded, none of them a sink
+                return self.quant.build(keys, values, self.bits, storage, keys.shape[1], sinks=0)
+            return self.quant.build(keys, values, self.bits, storage)
         return self.quant.build(keys, values, self.bits, layer_idx)
 
     def compress(self, x: LayerInput) -> ComposedState:

@@ -2,7 +2,8 @@
 
 Keys have fixed outlier channels, so each key channel gets its own min and scale over a group of
 `group` tokens; values are grouped along channels within each token. The newest `residual` prompt
-tokens (plus the ones that do not fill a whole key group) stay in full precision. During decoding the
+tokens (plus the ones that do not fill a whole key group) stay in full precision, and so may the first `sinks`
+(not in the paper, off by default). During decoding the
 generated tokens join that window, and its oldest whole group is quantized as soon as the window holds more
 than `residual` + `group` tokens (kvsum.compress attaches the stream).
 """
@@ -52,24 +53,26 @@ def _int_levels(bits: int) -> Tensor:
 
 
 class KIVIState:
-    """The first n_q tokens as packed codes (keys per channel over `group` tokens, values per token over
-    `ch_group` channels), the newest ones in full precision (`storage`).
+    """The first `sinks` tokens in full precision (`storage`), the next n_q as packed codes (keys per channel
+    over `group` tokens, values per token over `ch_group` channels), the newest ones in full precision.
 
     Codes, scales and zero points are held token-major (groups of tokens first), so `extend` appends
     decoding-time groups to the same stores."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: int, group: int, ch_group: int, n_q: int,
-                 storage: torch.dtype):
+                 storage: torch.dtype, sinks: int = 0):
         self.H, _, self.d = keys.shape
         self.bits, self.group, self.ch_group, self.storage = bits, group, ch_group, storage
-        self.n_q = self.T = 0
+        self.sinks = sinks
+        self.k_sink, self.v_sink = keys[:, :sinks].to(storage), values[:, :sinks].to(storage)
+        self.n_q, self.T = 0, sinks
         self.k_res, self.v_res = keys[:, :0].to(storage), values[:, :0].to(storage)
         self.k_codes = self.v_codes = None
-        self.extend(keys, values, n_q)
+        self.extend(keys[:, sinks:], values[:, sinks:], n_q)
 
     def pending(self) -> int:
-        """Tokens held in full precision."""
-        return self.T - self.n_q
+        """Tokens held in full precision after the codes (the sinks before them are never quantized)."""
+        return self.T - self.sinks - self.n_q
 
     def extend(self, keys: Tensor, values: Tensor, quantize: int) -> None:
         """Append keys and values (H, n, d) in full precision, then quantize the `quantize` oldest full-precision
@@ -100,16 +103,18 @@ class KIVIState:
 
     def nbytes(self) -> int:
         return self.k_codes.nbytes() + self.v_codes.nbytes() + tensor_bytes(
-            self.k_scale, self.k_min, self.v_scale, self.v_min, self.k_res, self.v_res)
+            self.k_scale, self.k_min, self.v_scale, self.v_min, self.k_res, self.v_res, self.k_sink, self.v_sink)
 
     def keys(self) -> Tensor:
-        """All keys (H, T, d): dequantized codes then the full-precision residual."""
+        """All keys (H, T, d): the sinks, the dequantized codes, then the full-precision residual."""
         k = self.k_codes.lookup() * self.k_scale.float() + self.k_min.float()  # (G, H, group, d)
-        return torch.cat([k.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.k_res.float()], 1)
+        return torch.cat([self.k_sink.float(), k.transpose(0, 1).reshape(self.H, self.n_q, self.d),
+                          self.k_res.float()], 1)
 
     def values(self) -> Tensor:
         v = self.v_codes.lookup() * self.v_scale.float() + self.v_min.float()  # (n_q, H, d/ch, ch)
-        return torch.cat([v.transpose(0, 1).reshape(self.H, self.n_q, self.d), self.v_res.float()], 1)
+        return torch.cat([self.v_sink.float(), v.transpose(0, 1).reshape(self.H, self.n_q, self.d),
+                          self.v_res.float()], 1)
 
     def _native(self, rows: int) -> bool:
         """Whether the packed-code kernel (native.py) reads the codes where they lie, for `rows` query rows per
@@ -126,19 +131,20 @@ class KIVIState:
         s = native.score_groups(self.k_codes, _int_levels(self.bits), qh[None] * self.k_scale.float())  # (H, M, n_q)
         base = (qh[None] * self.k_min.float()).sum(-1).permute(1, 2, 0)  # (H, M, G)
         s = (s.view(self.H, -1, G, self.group) + base[..., None]).view(self.H, -1, self.n_q)
-        if self.T > self.n_q:
-            s = torch.cat([s, qh @ self.k_res.float().transpose(-1, -2)], -1)
+        s = torch.cat([qh @ self.k_sink.float().transpose(-1, -2), s, qh @ self.k_res.float().transpose(-1, -2)], -1)
         return (s * scale)[None]
 
     def mix(self, p: Tensor) -> Tensor:
         if not self._native(p.shape[2]):
             return p @ self.values()
         # v = code * scale + min per (token, run of channels), both applied inside the kernel
-        pq = p[0, :, :, :self.n_q]
-        out = native.mix_runs(self.v_codes, _int_levels(self.bits), pq, self.v_scale[..., 0].permute(2, 1, 0),
-                              self.v_min[..., 0].permute(2, 1, 0))
-        if self.T > self.n_q:
-            out = out + p[0, :, :, self.n_q:] @ self.v_res.float()
+        s, e = self.sinks, self.sinks + self.n_q
+        out = native.mix_runs(self.v_codes, _int_levels(self.bits), p[0, :, :, s:e],
+                              self.v_scale[..., 0].permute(2, 1, 0), self.v_min[..., 0].permute(2, 1, 0))
+        if s:
+            out = out + p[0, :, :, :s] @ self.v_sink.float()
+        if self.T > e:
+            out = out + p[0, :, :, e:] @ self.v_res.float()
         return out[None]
 
 
@@ -146,13 +152,16 @@ class KIVIState:
 @dataclass
 class KIVI(Method):
     """`bits` 2 or 4 (None: the largest that fits the budget); `group` tokens per key scale and channels per
-    value scale (at most the head dim); the newest `residual` prompt tokens stay in full precision."""
+    value scale (at most the head dim); the newest `residual` prompt tokens stay in full precision, and the
+    first `sinks` too: the paper codes them (sinks=0), but an attention sink's key is an outlier in its group
+    (the code error of its logit moves the mass of every other token) and its codes widen the group's scales."""
 
     name = "kivi"
     summary = "per-channel keys, per-token values, 2/4-bit asymmetric codes + fp16 recent tokens (Liu et al., 2024)"
     bits: int | None = None
     group: int = 32
     residual: int = 128
+    sinks: int = 0
 
     def layout(self, T: int, d: int) -> tuple[int, int]:
         """(tokens quantized, channels per value group)."""
@@ -162,7 +171,7 @@ class KIVI(Method):
         ch = min(self.group, d)
         if d % ch:
             raise KVSumError(f"kivi: group={self.group} does not divide the head dim {d}")
-        return max(0, (T - self.residual) // self.group * self.group), ch
+        return max(0, (T - min(self.sinks, T) - self.residual) // self.group * self.group), ch
 
     def nbytes(self, H: int, T: int, d: int, bits: int, storage: torch.dtype = torch.float16) -> int:
         """Exactly what a state of (H, T, d) keys and values at `bits` holds."""
@@ -179,11 +188,13 @@ class KIVI(Method):
                          x.budget_bytes, full, hint)
         return self.build(x.keys, x.values, bits, x.storage, n_q)
 
-    def build(self, keys: Tensor, values: Tensor, bits: int, storage: torch.dtype, n_q: int | None = None) -> KIVIState:
-        """The state of keys and values (H, T, d) fp32 with the first `n_q` tokens quantized (default: all
-        whole groups beyond the `residual` window)."""
+    def build(self, keys: Tensor, values: Tensor, bits: int, storage: torch.dtype, n_q: int | None = None,
+              sinks: int | None = None) -> KIVIState:
+        """The state of keys and values (H, T, d) fp32: the first `sinks` (default: the method's) exact, the next
+        `n_q` quantized (default: all whole groups before the `residual` window)."""
         n, ch = self.layout(keys.shape[1], keys.shape[2])
-        return KIVIState(keys, values, bits, self.group, ch, n if n_q is None else n_q, storage)
+        return KIVIState(keys, values, bits, self.group, ch, n if n_q is None else n_q, storage,
+                         min(self.sinks if sinks is None else sinks, keys.shape[1]))
 
     def stream(self, layer_idx: int, state) -> QuantStream | None:
         return QuantStream(self.group, self.residual, live=state) if isinstance(state, KIVIState) else None
