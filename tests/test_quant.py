@@ -324,7 +324,7 @@ def _stepwise(model, cache, cont):
                                           ("turboquant", dict(bits=3, qjl=True, sinks=0)),
                                           ("turboquant", dict(bits=3, key_basis="pca", sinks=0)),
                                           ("turboquant", dict(bits=3, center=True, sinks=0)),
-                                          ("kivi", dict(bits=2))])
+                                          ("kivi", dict(bits=2)), ("kivi", dict(bits=2, sinks=4))])
 def test_decoded_tokens_are_quantized_in_groups(method, knobs):
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(2))

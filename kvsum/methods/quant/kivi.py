@@ -2,10 +2,10 @@
 
 Keys have fixed outlier channels, so each key channel gets its own min and scale over a group of
 `group` tokens; values are grouped along channels within each token. The newest `residual` prompt
-tokens (plus the ones that do not fill a whole key group) stay in full precision, and so may the first `sinks`
-(not in the paper, off by default). During decoding the
-generated tokens join that window, and its oldest whole group is quantized as soon as the window holds more
-than `residual` + `group` tokens (kvsum.compress attaches the stream).
+tokens (plus the ones that do not fill a whole key group) stay in full precision, and so may the first
+`sinks` (not in the paper, off by default). During decoding the generated tokens join that window, and its
+oldest whole group is quantized as soon as the window holds more than `residual` + `group` tokens
+(kvsum.compress attaches the stream).
 """
 
 from __future__ import annotations
