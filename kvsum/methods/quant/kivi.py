@@ -131,8 +131,12 @@ class KIVIState:
         s = native.score_groups(self.k_codes, _int_levels(self.bits), qh[None] * self.k_scale.float())  # (H, M, n_q)
         base = (qh[None] * self.k_min.float()).sum(-1).permute(1, 2, 0)  # (H, M, G)
         s = (s.view(self.H, -1, G, self.group) + base[..., None]).view(self.H, -1, self.n_q)
-        s = torch.cat([qh @ self.k_sink.float().transpose(-1, -2), s, qh @ self.k_res.float().transpose(-1, -2)], -1)
-        return (s * scale)[None]
+        # the exact sinks' and window's logits only where they hold tokens (this runs at every decoding step)
+        parts = [qh @ self.k_sink.float().transpose(-1, -2)] if self.sinks else []
+        parts.append(s)
+        if self.pending():
+            parts.append(qh @ self.k_res.float().transpose(-1, -2))
+        return (torch.cat(parts, -1) if len(parts) > 1 else s).mul_(scale)[None]
 
     def mix(self, p: Tensor) -> Tensor:
         if not self._native(p.shape[2]):
@@ -143,7 +147,7 @@ class KIVIState:
                               self.v_scale[..., 0].permute(2, 1, 0), self.v_min[..., 0].permute(2, 1, 0))
         if s:
             out = out + p[0, :, :, :s] @ self.v_sink.float()
-        if self.T > e:
+        if self.pending():
             out = out + p[0, :, :, e:] @ self.v_res.float()
         return out[None]
 
