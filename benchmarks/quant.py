@@ -52,6 +52,7 @@ PCA = tq(key_basis="pca")
 OUTLIERS = tq(key_basis="pca", outliers=0.01)
 CENTER = tq(center=True)  # the defaults with each head's keys coded less their prompt mean (its logit exact)
 HADAMARD = tq(rotation="hadamard")  # each layer's rotation held as d seeded signs around a Hadamard matrix
+UNBIASED = tq(unbiased="values")
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 # KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
 KIVI_SINKS = [("kivi", {"bits": b, **knobs}, [1.0]) for b in (4, 2) for knobs in ({}, {"sinks": 4})]
@@ -102,7 +103,7 @@ class TurboQuantOneSide(TurboQuant):
 SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
-          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "sides": SIDES, "kivi": KIVI_SINKS}
+          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED, "sides": SIDES, "kivi": KIVI_SINKS}
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 

@@ -72,7 +72,7 @@ def test_mse_distortion_within_published_bound(bits, kind):
     u = torch.randn(n, d, generator=torch.Generator().manual_seed(7))
     u = u / u.norm(dim=-1, keepdim=True)
     R = Rotation(d, 3, kind, "cpu")
-    x_hat = R.undo(Coded(R.apply(u)[None], bits).lookup()[0])
+    x_hat = R.undo(Coded.of(R.apply(u)[None], bits).lookup()[0])
     mse = (u - x_hat).pow(2).sum(-1).mean().item()
     assert 4.0 ** -bits < mse <= math.sqrt(3) * math.pi / 2 * 4.0 ** -bits
 
@@ -188,6 +188,31 @@ def test_centered_keys_add_the_mean_logit_back_exactly_and_cut_the_error_of_offs
         H, T, d, 2.5)
 
 
+def test_unbiased_values_make_each_projection_exact_and_remove_the_shrink_an_average_keeps():
+    H, T, d = 2, 2000, 16
+    x = _layer(H, T, d, outlier=False)
+    x.values = x.values + 0.5 * torch.randn(H, 1, d, generator=torch.Generator().manual_seed(1))  # a shared part
+    knobs = dict(bits=2, sinks=0, key_shift=0, skew=0)
+    plain, unb = (make_method("turboquant", unbiased=u, **knobs).compress(x) for u in ("none", "values"))
+    v_plain, v_unb = plain.values(), unb.values()
+    # the scale read is |v| / <y, y_hat>: each reconstruction's projection on its own vector is exact (fp16)
+    proj = (v_unb * x.values).sum(-1) / x.values.pow(2).sum(-1)
+    assert (proj - 1).abs().max() < 2e-3
+    assert ((v_plain * x.values).sum(-1) / x.values.pow(2).sum(-1)).mean() < 0.95  # the MSE codes shrink
+    # an attention average keeps that shrink with plain norms; unbiased, what remains is the code noise that
+    # does not average out (a strong shared direction makes the tokens' errors alike: see the README)
+    err = {k: ((v.mean(1) - x.values.mean(1)).norm() / x.values.mean(1).norm()).item()
+           for k, v in (("plain", v_plain), ("unb", v_unb))}
+    assert err["plain"] > 0.05 and err["unb"] < 0.3 * err["plain"]
+    # per token, the MSE-optimal plain norms stay the closer; keys and the bytes do not change
+    assert (v_plain - x.values).pow(2).mean() < (v_unb - x.values).pow(2).mean()
+    assert torch.equal(unb.keys(), plain.keys()) and unb.nbytes() == plain.nbytes()
+    with pytest.raises(kvsum.KVSumError, match="unbiased='yes'; accepted: none, values, keys, both"):
+        make_method("turboquant", unbiased="yes")
+    with pytest.raises(kvsum.KVSumError, match="not the keys with qjl"):
+        make_method("turboquant", unbiased="keys", qjl=True)
+
+
 def test_nbytes_is_the_analytic_count():
     H, T, d = 2, 300, 16
     x = _layer(H, T, d)
@@ -258,7 +283,8 @@ def _teacher_forced(model, cache, cont):
         return model(cont, past_key_values=cache).logits[0].float()
 
 
-@pytest.mark.parametrize("knobs", [dict(bits=3.5), dict(bits=2.5, qjl=True), dict(bits=3, rotation="hadamard")])
+@pytest.mark.parametrize("knobs", [dict(bits=3.5), dict(bits=2.5, qjl=True), dict(bits=3, rotation="hadamard"),
+                                   dict(bits=2.5, unbiased="both")])
 def test_rotated_and_dequant_paths_agree(tiny, ids, knobs):
     cont = ids[:, :12]
     out = {}
@@ -324,6 +350,7 @@ def _stepwise(model, cache, cont):
                                           ("turboquant", dict(bits=3, qjl=True, sinks=0)),
                                           ("turboquant", dict(bits=3, key_basis="pca", sinks=0)),
                                           ("turboquant", dict(bits=3, center=True, sinks=0)),
+                                          ("turboquant", dict(bits=3, unbiased="both", sinks=0)),
                                           ("kivi", dict(bits=2)), ("kivi", dict(bits=2, sinks=4))])
 def test_decoded_tokens_are_quantized_in_groups(method, knobs):
     model = tiny_llama()

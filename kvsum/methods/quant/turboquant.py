@@ -40,6 +40,7 @@ SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
 PATHS = ("rotated", "dequant")
 KEY_BASES = ("random", "pca")
 ROTATIONS = ("qr", "hadamard")
+UNBIASED = ("none", "values", "keys", "both")
 
 
 def gaussian(d: int, seed: int) -> Tensor:
@@ -108,9 +109,16 @@ def _idx_dtype(d: int) -> torch.dtype:
 
 
 class Coded:
-    """Lloyd-Max codes of rotated unit directions y (H, T, d): channels `idx_hi` of each head at lo + 1 bits
-    (the largest RMS in the first data it sees), the others at lo bits. Codes are held token-major (T, H, c),
-    so `extend` appends decoding-time tokens to the same packed store with the same channel split."""
+    """Lloyd-Max codes of rotated unit directions (H, T, d): channels `idx_hi` of each head at lo + 1 bits
+    (the largest RMS in `y`, the data it is built for), the others at lo bits. It holds no tokens until
+    `extend` codes them (`of` builds and codes at once). Codes are held token-major (T, H, c), so decoding-time
+    tokens append to the same packed store with the same channel split."""
+
+    @classmethod
+    def of(cls, y: Tensor, bits: float) -> Coded:
+        coded = cls(y, bits)
+        coded.extend(y)
+        return coded
 
     def __init__(self, y: Tensor, bits: float):
         H, T, d = y.shape
@@ -123,7 +131,6 @@ class Coded:
         else:
             idx, widths = [None], [lo]
         self.parts = [[ix, codebook(width, d, y.device), width, None] for ix, width in zip(idx, widths)]
-        self.extend(y)
 
     def extend(self, y: Tensor) -> Tensor:
         """Encode directions y (H, n, d) after the current ones; returns their reconstruction (H, n, d)."""
@@ -239,8 +246,10 @@ class TurboQuantState:
     same stores (same rotation, codebooks, channel split, mean)."""
 
     def __init__(self, keys: Tensor, values: Tensor, bits: float, qjl: bool, R: Rotation, S: Tensor | None,
-                 path: str, widths: tuple[float, float], center: bool = False, key_codes: KeyTransform | None = None):
+                 path: str, widths: tuple[float, float], center: bool = False, key_codes: KeyTransform | None = None,
+                 unbiased: str = "none"):
         self.H, _, self.d = keys.shape
+        self.unbiased = unbiased
         self.bits, self.qjl, self.path, self.R, self.S = bits, qjl, path, R, S
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
@@ -259,13 +268,12 @@ class TurboQuantState:
         if quantize is not None and quantize != n:
             raise ValueError("turboquant quantizes every appended token")
         yv, v_norm = self._directions(values)
-        self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
         self.T += n
         first = self.v is None
         if first:
             self.v = Coded(yv, self.widths[1])
-        else:
-            self.v.extend(yv)
+        v_norm = self._gain(v_norm, yv, self.v.extend(yv), "values")
+        self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
         if isinstance(self.k, KeyTransform):
             if not first:  # the prompt's keys were coded when the transform was built
                 self.k.extend(keys)
@@ -275,9 +283,8 @@ class TurboQuantState:
         yk, k_norm = self._directions(keys)
         if first:
             self.k = Coded(yk, self.widths[0])
-            k_hat = self.k.lookup()
-        else:
-            k_hat = self.k.extend(yk)
+        k_hat = self.k.extend(yk)
+        k_norm = self._gain(k_norm, yk, k_hat, "keys")
         self.k_norm = k_norm if self.k_norm is None else torch.cat([self.k_norm, k_norm], 1)
         if self.qjl:
             resid = self.R.apply(keys) - k_norm.float()[..., None] * k_hat  # in the rotated basis
@@ -290,8 +297,16 @@ class TurboQuantState:
                 self.r_norm = torch.cat([self.r_norm, r_norm.half()], 1)
 
     def _directions(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated unit directions and fp32 norms of x (H, n, d)."""
         norm = x.norm(dim=-1)
-        return self.R.apply(x / norm.clamp_min(1e-30)[..., None]), norm.half()
+        return self.R.apply(x / norm.clamp_min(1e-30)[..., None]), norm
+
+    def _gain(self, norm: Tensor, y: Tensor, y_hat: Tensor, side: str) -> Tensor:
+        """The fp16 scale a side's codes are read with: the norm, or with `unbiased` naming this side the norm
+        over <y, y_hat>, which makes the reconstruction's projection on the true direction exact."""
+        if self.unbiased in ("both", side):
+            norm = norm / (y * y_hat).sum(-1).clamp_min(0.05)
+        return norm.half()
 
     def lengths(self) -> list[int]:
         return [self.T] * self.H
@@ -386,7 +401,11 @@ class TurboQuant(Method):
     exact inside the same key bytes. `center` codes each head's keys less their prompt mean (fp16, counted),
     whose logit is exact (pca keys are centered anyway). `rotation="hadamard"` replaces each layer's dense
     random rotation (fp16, d*d*2 bytes) by a seeded-sign Hadamard transform (d bytes): the better choice where
-    the head dim is large beside the KV heads' tokens (see Rotation)."""
+    the head dim is large beside the KV heads' tokens (see Rotation). `unbiased` names the sides ("values",
+    "keys", "both") whose codes are read with |x| / <y, y_hat> instead of |x| (the same fp16 scale): Lloyd-Max
+    codes shrink each vector by about their distortion (12% at 2 bits), an attention average keeps that shrink
+    while part of the code noise averages out, so unbiased values cut the output error; unbiased keys undo the
+    logits' shrink at the price of more noise, which costs more than it gains at 2-3 bits."""
 
     name = "turboquant"
     summary = "random rotation + Lloyd-Max scalar codes, optional QJL residual (Zandieh et al., 2025)"
@@ -405,6 +424,7 @@ class TurboQuant(Method):
     outliers: float = 0.0
     center: bool = False
     rotation: str = "qr"
+    unbiased: str = "none"
 
     def __post_init__(self):
         self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
@@ -417,6 +437,10 @@ class TurboQuant(Method):
         if not 0 <= self.outliers < 1 or (self.outliers and self.key_basis != "pca"):
             raise KVSumError(f"turboquant: outliers={self.outliers} must be in [0, 1), with key_basis='pca' (the "
                              "tokens its transform codes serve worst are kept exact)")
+        own_keys = self.qjl or self.key_basis == "pca"  # the keys' own unbiasing / coding
+        if self.unbiased not in UNBIASED or (own_keys and self.unbiased in ("keys", "both")):
+            raise KVSumError(f"turboquant: unbiased={self.unbiased!r}; accepted: {', '.join(UNBIASED)} (not the keys "
+                             "with qjl, whose sketch unbiases them, or with key_basis='pca', which codes them itself)")
         if self.path not in PATHS:
             raise KVSumError(f"turboquant: path={self.path!r}; accepted: {', '.join(PATHS)}")
         if self.group < 1 or self.residual < 0:
@@ -495,7 +519,7 @@ class TurboQuant(Method):
             H, T, d = keys.shape
             head_bytes = (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H  # what the codes and fp16 norms take
             kt = KeyTransform(keys, queries, head_bytes, self.outliers)  # the state never sees the queries
-        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, self.center, kt)
+        return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, self.center, kt, self.unbiased)
 
     def basis_queries(self, x: LayerInput) -> Tensor | None:
         """Each KV head's reference queries (H, n * G, d), which key_basis="pca" weights its axes by."""
