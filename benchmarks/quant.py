@@ -2,8 +2,8 @@
 
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
-             with key_basis="pca", with pca plus outliers=0.01, with center=True, with rotation="hadamard" and
-             with qjl=True) and KIVI 4 / 2 bits beside full
+             with key_basis="pca", with pca plus outliers=0.01, with center=True, with rotation="hadamard",
+             with unbiased="values" and with qjl=True) and KIVI 4 / 2 bits beside full
              (--groups picks rows; "rotation" is the two TurboQuant defaults alone, for larger --n; "sides"
              is a diagnosis: the 2.5-bit defaults with the values, then the keys, kept exact, to tell how much
              of the loss each side's codes cause)
@@ -52,7 +52,7 @@ PCA = tq(key_basis="pca")
 OUTLIERS = tq(key_basis="pca", outliers=0.01)
 CENTER = tq(center=True)  # the defaults with each head's keys coded less their prompt mean (its logit exact)
 HADAMARD = tq(rotation="hadamard")  # each layer's rotation held as d seeded signs around a Hadamard matrix
-UNBIASED = tq(unbiased="values")
+UNBIASED = tq(unbiased="values")  # values read with |v| / <y, y_hat>: no shrink for attention averages to keep
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 # KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
 KIVI_SINKS = [("kivi", {"bits": b, **knobs}, [1.0]) for b in (4, 2) for knobs in ({}, {"sinks": 4})]
