@@ -200,7 +200,7 @@ def test_unbiased_values_make_each_projection_exact_and_remove_the_shrink_an_ave
     assert (proj - 1).abs().max() < 2e-3
     assert ((v_plain * x.values).sum(-1) / x.values.pow(2).sum(-1)).mean() < 0.95  # the MSE codes shrink
     # an attention average keeps that shrink with plain norms; unbiased, what remains is the code noise that
-    # does not average out (a strong shared direction makes the tokens' errors alike: see the README)
+    # does not average out (a strong shared direction would make the tokens' code errors alike)
     err = {k: ((v.mean(1) - x.values.mean(1)).norm() / x.values.mean(1).norm()).item()
            for k, v in (("plain", v_plain), ("unb", v_unb))}
     assert err["plain"] > 0.05 and err["unb"] < 0.3 * err["plain"]
