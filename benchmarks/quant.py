@@ -3,10 +3,12 @@
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
              with key_basis="pca", with pca plus outliers=0.01, with center=True, with rotation="hadamard",
-             with unbiased="values" and with qjl=True) and KIVI 4 / 2 bits beside full
-             (--groups picks rows; "rotation" is the two TurboQuant defaults alone, for larger --n; "sides"
-             is a diagnosis: the 2.5-bit defaults with the values, then the keys, kept exact, to tell how much
-             of the loss each side's codes cause)
+             with unbiased="values", with unbiased="both" at 2.5 bits and with qjl=True) and KIVI 4 / 2 bits
+             beside full
+             (--groups picks rows, by default the main table's: the defaults and the two ablations; the others, each
+             written to its own --out, by name; "rotation" is the two TurboQuant defaults alone, for larger --n;
+             "sides" is a diagnosis: the 2.5-bit defaults with the values, then the keys, kept exact, to tell how
+             much of the loss each side's codes cause)
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
   lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
@@ -53,6 +55,7 @@ OUTLIERS = tq(key_basis="pca", outliers=0.01)
 CENTER = tq(center=True)  # the defaults with each head's keys coded less their prompt mean (its logit exact)
 HADAMARD = tq(rotation="hadamard")  # each layer's rotation held as d seeded signs around a Hadamard matrix
 UNBIASED = tq(unbiased="values")  # values read with |v| / <y, y_hat>: no shrink for attention averages to keep
+UNBIASED_BOTH = [("turboquant", {"bits": 2.5, "unbiased": "both"}, [1.0])]  # keys too: logits unshrunk, noisier
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 # KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
 KIVI_SINKS = [("kivi", {"bits": b, **knobs}, [1.0]) for b in (4, 2) for knobs in ({}, {"sinks": 4})]
@@ -103,7 +106,9 @@ class TurboQuantOneSide(TurboQuant):
 SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
-          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED, "sides": SIDES, "kivi": KIVI_SINKS}
+          "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED,
+          "unbiased_both": UNBIASED_BOTH, "sides": SIDES, "kivi": KIVI_SINKS}
+MAIN = ("quant", "noshift", "plain")  # quant_retrieval.md and quant_lm.md; every other group is run by name
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
@@ -154,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="lm: summary+turboquant at these bit widths (default: its default width)")
     ap.add_argument("--no-quant", action="store_true", help="lm: only the budget-0.0625 comparison")
     ap.add_argument("--groups", nargs="+", choices=list(GROUPS),
-                    default=[g for g in GROUPS if g not in ("sides", "kivi")],
-                    help="retrieval / lm: which quantizer rows run beside full (sides and kivi only when named)")
+                    default=list(MAIN),
+                    help="retrieval / lm: which quantizer rows run beside full (default: the main table's "
+                         f"{', '.join(MAIN)}; each other group writes its own table)")
     ap.add_argument("--steps", type=int, default=40, help="decode: tokens decoded per round")
     ap.add_argument("--repeats", type=int, default=3, help="decode: interleaved rounds")
     args = ap.parse_args(argv)
