@@ -53,7 +53,9 @@ QUARTER = [("full", {}, [1.0]), ("summary", dict(cover_bits=3.5, cover_center=Tr
 # --group cover: the same cover against the full cache alone, for a larger n than the quarter group affords (at
 # n = 20 one example is 5 points, so "within 2 points" of full per cell cannot tell noise from a gap)
 COVER = QUARTER[:2]
-GROUPS = {"main": METHODS, "pca": PCA, "sentence": SENTENCE, "quarter": QUARTER, "cover": COVER}
+# --group unbiased: that cover beside the same cover with its values read unbiased (TurboQuant's unbiased="values")
+UNBIASED = COVER + [("summary", dict(QUARTER[1][1], cover_unbiased="values"), [0.25])]
+GROUPS = {"main": METHODS, "pca": PCA, "sentence": SENTENCE, "quarter": QUARTER, "cover": COVER, "unbiased": UNBIASED}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", choices=tuple(GROUPS), default="main",
                     help="pca: the pca-keyed cover rows; sentence: whole-sentence anchors against every eviction "
                          "method at 0.125; quarter: the demo's cover against every eviction method at 0.25; "
-                         "cover: that cover against the full cache alone (default out: summary_cover_<group>)")
+                         "cover: that cover against the full cache alone; unbiased: that cover with and without "
+                         "cover_unbiased='values' (default out: summary_cover_<group>)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048], help="retrieval context lengths")
     args = ap.parse_args(argv)
     if args.out == str(RESULTS / "summary_cover"):

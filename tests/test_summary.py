@@ -195,7 +195,7 @@ def test_code_cover_skips_its_anchors_at_a_few_bytes_each(center, rows):
 
 
 @pytest.mark.parametrize("knobs", [dict(cover_share=0.6), dict(cover_bits=2), dict(cover_bits=1.5, cover_basis="pca"),
-                                   dict(cover_bits=1.5, cover_center=True),
+                                   dict(cover_bits=1.5, cover_center=True), dict(cover_bits=2, cover_unbiased="values"),
                                    dict(cover_bits=2, cover_rotation="hadamard")])
 @pytest.mark.parametrize("budget", [0.5, 0.3])
 def test_cover_modes_keep_every_token_within_budget(tiny, ids, knobs, budget):
@@ -237,6 +237,20 @@ def test_centered_cover_holds_each_layers_mean_key(tiny, ids):
         cover = layer.state.parts[1].inner
         assert torch.allclose(cover.k_mean.float(), full.keys[0].float().mean(1, keepdim=True), atol=1e-2)
         assert cover.nbytes() == ref.state.parts[1].inner.nbytes() + cover.k_mean.numel() * 2
+
+
+def test_unbiased_cover_reads_its_values_unshrunk_in_the_same_bytes(tiny, ids):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2, cover_unbiased="values")
+    plain = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover_bits=2)
+    pre = kvsum.prefill(tiny, ids)
+    for layer, ref, full in zip(cache.layers, plain.layers, pre.cache.layers):
+        cover, plain_cover = layer.state.parts[1].inner, ref.state.parts[1].inner
+        v = full.values[0].float()[:, ids.shape[1] - cover.T:]  # the cover codes every token after the sinks
+        proj = (cover.values() * v).sum(-1) / v.pow(2).sum(-1)
+        assert (proj - 1).abs().max() < 2e-3 < (1 - (plain_cover.values() * v).sum(-1) / v.pow(2).sum(-1)).mean()
+        assert torch.equal(cover.keys(), plain_cover.keys()) and cover.nbytes() == plain_cover.nbytes()
+    with pytest.raises(kvsum.KVSumError, match="unbiased='yes'"):
+        make_method("summary", cover_bits=2, cover_unbiased="yes")
 
 
 def test_pca_cover_codes_keys_on_the_queries_axes_without_a_layer_shift(tiny, ids):

@@ -78,6 +78,7 @@ class Summary(Method):
     cover_basis: str = "random"  # the cover's key basis (TurboQuant's key_basis; "pca" follows the queries)
     cover_center: bool = False  # the cover's keys coded less their mean (TurboQuant's center)
     cover_rotation: str = "qr"  # the cover's rotation (TurboQuant's rotation; "hadamard" holds d bytes a layer)
+    cover_unbiased: str = "none"  # the cover's sides read unbiased (TurboQuant's unbiased; "values" helps)
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
@@ -97,7 +98,8 @@ class Summary(Method):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
         # the code cover's quantizer, built once: it also decides whether its keys shift bits between layers
         self._cover_quant = (TurboQuant(bits=self.cover_bits, key_basis=self.cover_basis, center=self.cover_center,
-                                        rotation=self.cover_rotation) if self.cover_bits else None)
+                                        rotation=self.cover_rotation, unbiased=self.cover_unbiased)
+                            if self.cover_bits else None)
 
     def prefill_options(self) -> dict:
         return {"surprisal": self.score in ("hybrid", "surprisal", "sentence"), "repeat": self.score == "repeat",
