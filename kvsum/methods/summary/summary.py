@@ -78,7 +78,7 @@ class Summary(Method):
     cover_basis: str = "random"  # the cover's key basis (TurboQuant's key_basis; "pca" follows the queries)
     cover_center: bool = False  # the cover's keys coded less their mean (TurboQuant's center)
     cover_rotation: str = "qr"  # the cover's rotation (TurboQuant's rotation; "hadamard" holds d bytes a layer)
-    cover_unbiased: str = "none"  # the cover's sides read unbiased (TurboQuant's unbiased; "values" helps)
+    cover_unbiased: str = "none"  # the cover's sides read unbiased (TurboQuant's unbiased; "values": lower KL)
     key_share: float = 0.25  # share of the cover's rank given to keys (values are less compressible)
 
     def __post_init__(self):
