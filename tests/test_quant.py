@@ -72,7 +72,10 @@ def test_mse_distortion_within_published_bound(bits, kind):
     u = torch.randn(n, d, generator=torch.Generator().manual_seed(7))
     u = u / u.norm(dim=-1, keepdim=True)
     R = Rotation(d, 3, kind, "cpu")
-    x_hat = R.undo(Coded.of(R.apply(u)[None], bits).lookup()[0])
+    y = R.apply(u)[None]
+    coded = Coded(y, bits)
+    coded.extend(y)
+    x_hat = R.undo(coded.lookup()[0])  # read back from the packed codes
     mse = (u - x_hat).pow(2).sum(-1).mean().item()
     assert 4.0 ** -bits < mse <= math.sqrt(3) * math.pi / 2 * 4.0 ** -bits
 

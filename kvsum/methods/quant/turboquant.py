@@ -111,14 +111,8 @@ def _idx_dtype(d: int) -> torch.dtype:
 class Coded:
     """Lloyd-Max codes of rotated unit directions (H, T, d): channels `idx_hi` of each head at lo + 1 bits
     (the largest RMS in `y`, the data it is built for), the others at lo bits. It holds no tokens until
-    `extend` codes them (`of` builds and codes at once). Codes are held token-major (T, H, c), so decoding-time
-    tokens append to the same packed store with the same channel split."""
-
-    @classmethod
-    def of(cls, y: Tensor, bits: float) -> Coded:
-        coded = cls(y, bits)
-        coded.extend(y)
-        return coded
+    `extend` codes them. Codes are held token-major (T, H, c), so decoding-time tokens append to the same packed
+    store with the same channel split."""
 
     def __init__(self, y: Tensor, bits: float):
         H, T, d = y.shape
