@@ -16,24 +16,33 @@
              its fp16 norms, ~0.083 at head dim 64: its 1-bit row is the closest it gets);
   decode:    decode-step time over the quantized cache vs the full cache, both TurboQuant attention paths
              at 4 / 3.5 / 2.5 / 2 bits (and pca keys at 3.5 / 2.5) and KIVI 4 / 2 bits, as ratios measured
-             in one run, interleaved.
-Decoded tokens are quantized by the methods' streams (kvsum.compress attaches them) in every part.
+             in one run, interleaved;
+  margins:   a diagnosis of the retrieval misses: each example's teacher-forced answer margin (the right token's
+             logit less the best other's, at the answer's worst token) under the 2.5-bit defaults, each side's
+             codes alone, the unbiased reads and 3.5 bits, beside the full cache's on the same examples, and the
+             examples each config flips, split by how near the full cache itself was to flipping them.
+Decoded tokens are quantized by the methods' streams (kvsum.compress attaches them) in every part (margins feeds
+question and answer in one pass, so they stay exact).
 Writes benchmarks/results/quant_<part>.{json,md}.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from common import RESULTS, arguments, finish, paired_decode, paired_medians, start
+from rich.progress import track
 
 import kvsum
-from kvsum.eval import run
-from kvsum.eval.report import meta
+from kvsum.eval import run, text
+from kvsum.eval.metrics import answer_margin
+from kvsum.eval.report import knobs_text, meta
+from kvsum.eval.runner import forced_logits
 from kvsum.eval.tasks import get_task
 from kvsum.methods.base import make_method, register
 from kvsum.methods.quant.turboquant import PATHS, TurboQuant
@@ -109,6 +118,8 @@ GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PL
           "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED,
           "unbiased_both": UNBIASED_BOTH, "sides": SIDES, "kivi": KIVI_SINKS}
 MAIN = ("quant", "noshift", "plain")  # quant_retrieval.md and quant_lm.md; every other group is run by name
+# --part margins: the 2.5-bit defaults, each side alone, the unbiased reads, and 3.5 bits
+MARGINS = [*SIDES, *UNBIASED[1:], *UNBIASED_BOTH, QUANT[0]]
 TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
@@ -132,24 +143,74 @@ def decode(model, tok, args) -> None:
     keep = times[0]
     rows = [dict(method=name, knobs=knobs, length=args.length, ratio=ratio[i], decode_step_s=med[i],
                  decode_over_full=paired[i], steps=len(keep)) for i, (name, knobs) in enumerate(configs)]
+    info = _write(args, rows, f"Decode step over the quantized cache, {args.length}-token context", [
+        f"{rows[0]['steps']} one-token steps per method ({args.repeats} rounds), the methods' step t run back "
+        "to back; decode / full is the median over steps of the paired ratio. Decoded tokens are quantized "
+        "as they arrive; bytes ratio right after compression, over the full 16-bit cache (full: fp32 model).",
+        "", "| method | knobs | bytes ratio | median decode step ms | decode / full |", "|---|---|---|---|---|",
+        *[f"| {r['method']} | {r['knobs']} | {r['ratio']:.3f} | {r['decode_step_s'] * 1000:.1f} | "
+          f"{r['decode_over_full']:.2f} |" for r in rows]])
+    return info
+
+
+def _write(args, rows: list[dict], title: str, body: list[str]) -> dict:
+    """`args.out`.json (meta and rows) and .md (title with date and threads, the command, `body`); prints the md."""
     out = Path(args.out)
     info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
     out.with_suffix(".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
-    lines = [f"# Decode step over the quantized cache, {args.length}-token context ({info['date']}, "
-             f"{args.threads} threads)", "", f"command: {info['command']}", "",
-             f"{rows[0]['steps']} one-token steps per method ({args.repeats} rounds), the methods' step t run back "
-             "to back; decode / full is the median over steps of the paired ratio. Decoded tokens are quantized "
-             "as they arrive; bytes ratio right after compression, over the full 16-bit cache (full: fp32 model).",
-             "", "| method | knobs | bytes ratio | median decode step ms | decode / full |", "|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['knobs']} | {r['ratio']:.3f} | {r['decode_step_s'] * 1000:.1f} | "
-              f"{r['decode_over_full']:.2f} |" for r in rows]
+    lines = [f"# {title} ({info['date']}, {args.threads} threads)", "", f"command: {info['command']}", "", *body]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return info
+
+
+BINS = ((-math.inf, 1.0), (1.0, 2.0), (2.0, math.inf))  # the full cache's answer margin, in logits
+
+
+@torch.no_grad()
+def margins(model, tok, args) -> None:
+    """Teacher-forced answer margins (kvsum.eval.metrics.answer_margin) of each config beside the full cache's,
+    on the same examples: how far the codes move each answer, and which examples they flip (by how near the
+    full cache itself was to flipping them). Question and answer are one forward pass, so they stay exact."""
+    configs = [("full", {}), *[(name, knobs) for name, knobs, _ in MARGINS]]
+    rows = []
+    for task in args.tasks:
+        per = [[] for _ in configs]
+        t = get_task(task)
+        for ex in track(t.examples(tok, args.length, args.n, args.seed), total=args.n, description=task):
+            answer = torch.tensor(text.encode(tok, " " + ex.answer))
+            q = ex.question_ids.shape[1]
+            forced = replace(ex, question_ids=torch.cat([ex.question_ids, answer[None]], -1))
+            pre = kvsum.prefill(model, ex.context_ids)
+            for m, (name, knobs) in zip(per, configs):
+                cache = kvsum.compress_prefill(pre, make_method(name, **knobs), 1.0)
+                m.append(answer_margin(forced_logits(model, forced, cache)[q - 1:-1], answer))
+        full = torch.tensor(per[0])
+        for (name, knobs), m in zip(configs, per):
+            m = torch.tensor(m)
+            bins = [(int(((lo <= full) & (full < hi)).sum()), int(((lo <= full) & (full < hi) & (m < 0)).sum()))
+                    for lo, hi in BINS]
+            rows.append(dict(task=task, method=name, knobs=knobs, length=args.length, n=len(m),
+                             negative=int((m < 0).sum()), flipped=int(((m < 0) & (full >= 0)).sum()),
+                             rescued=int(((m >= 0) & (full < 0)).sum()), median=float(m.quantile(0.5)),
+                             median_drop=float((full - m).quantile(0.5)), bins=bins, margins=m.tolist()))
+    heads = " | ".join(f"negative, full margin {'< 1' if lo == -math.inf else f'>= {lo:g}'}"
+                       f"{'' if hi == math.inf or lo == -math.inf else f' and < {hi:g}'}" for lo, hi in BINS)
+    _write(args, rows, f"Teacher-forced answer margins, {args.length}-token context", [
+        "Margin: the smallest, over the answer's tokens, of the right token's logit less the best other's "
+        "(negative: greedy decoding misses). flipped: negative where the full cache's is not; rescued: the reverse; "
+        "drop: the full cache's margin less this one, median over examples. The last columns split the examples "
+        "by the full cache's own margin: negative / examples in that range.", "",
+        f"| task | method | knobs | n | negative | flipped | rescued | median margin | median drop | {heads} |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(BINS),
+        *[f"| {r['task']} | {r['method']} | {knobs_text(r['knobs'])} | {r['n']} | {r['negative']} | {r['flipped']} | "
+          f"{r['rescued']} | {r['median']:.2f} | {r['median_drop']:.2f} | "
+          + " | ".join(f"{neg} / {k}" for k, neg in r["bins"]) + " |" for r in rows]])
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = arguments(__doc__, "quant", threads=1)
-    ap.add_argument("--part", choices=["retrieval", "lm", "decode"], required=True)
+    ap.add_argument("--part", choices=["retrieval", "lm", "decode", "margins"], required=True)
     ap.add_argument("--tasks", nargs="+", default=["passkey", "multikey"])
     ap.add_argument("--length", type=int, default=2048, help="retrieval context / decode context length")
     ap.add_argument("--lm-length", type=int, default=1536, help="prefix length for lm fidelity")
@@ -169,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         args.out = str(RESULTS / f"quant_{args.part}")
     model, tok, t0 = start(args)
     quant = [row for g in args.groups for row in GROUPS[g]]
-    if args.part == "decode":
-        return decode(model, tok, args)
+    if args.part in ("decode", "margins"):
+        return (decode if args.part == "decode" else margins)(model, tok, args)
     if args.part == "retrieval":
         rows = run(model, tok, args.tasks, ["full", *quant], [1.0], [args.length], args.n, args.seed)
     else:

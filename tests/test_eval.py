@@ -9,7 +9,7 @@ import torch
 import kvsum
 from kvsum.errors import KVSumError
 from kvsum.eval import DEPTHS, get_task, markdown, run, text, write
-from kvsum.eval.metrics import fidelity
+from kvsum.eval.metrics import answer_margin, fidelity
 
 from .conftest import tiny_llama
 
@@ -114,6 +114,13 @@ def test_fidelity_identical_is_exactly_zero_and_known_kl():
     assert g["kl"] == pytest.approx(0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25))
     assert g["top1"] == 1.0  # tie in p resolves to index 0, as in q
     assert g["nll"] == pytest.approx(-math.log(0.75))
+
+
+def test_answer_margin_is_the_worst_steps_lead_over_the_best_other_token():
+    logits = torch.tensor([[1.0, 4.0, 2.5], [3.0, 0.0, 3.5]])
+    assert answer_margin(logits, torch.tensor([1, 2])) == pytest.approx(0.5)  # step 2: 3.5 - 3.0
+    assert answer_margin(logits, torch.tensor([1, 0])) == pytest.approx(-0.5)  # step 2 would pick token 2
+    assert answer_margin(logits, torch.tensor([2, 2])) == pytest.approx(-1.5)  # step 1: 2.5 - 4.0
 
 
 def test_run_lm_full_is_exact_and_eviction_is_not():

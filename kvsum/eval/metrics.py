@@ -26,6 +26,17 @@ def fidelity(full_logits: Tensor, logits: Tensor, targets: Tensor) -> dict[str, 
     return dict(kl=kl.mean().item(), top1=top1.mean().item(), nll=nll.item(), nll_full=nll_full.item())
 
 
+def answer_margin(logits: Tensor, targets: Tensor) -> float:
+    """The smallest, over an answer's teacher-forced steps, of the right token's logit less the best other's.
+    logits (m, V) are the next-token logits before each of the m `targets`. Negative where some step would pick
+    another token, so greedy decoding misses; unlike accuracy it says how near an example is to flipping."""
+    logits = logits.double()
+    idx = targets.reshape(-1, 1).to(logits.device)
+    right = logits.gather(-1, idx)[:, 0]
+    other = logits.scatter(-1, idx, -math.inf).max(-1).values
+    return (right - other).min().item()
+
+
 def summarize_fidelity(items: list[dict[str, float]]) -> dict[str, float]:
     """Mean over examples; the perplexity ratio pools the NLL of all examples (equal lengths)."""
     mean = {k: sum(d[k] for d in items) / len(items) for k in ("kl", "top1", "nll", "nll_full")}

@@ -23,7 +23,7 @@ def meta(model: str | None = None, command: str | None = None, **extra) -> dict:
     return {**out, **extra}
 
 
-def _knobs(knobs: dict) -> str:
+def knobs_text(knobs: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in knobs.items())
 
 
@@ -56,7 +56,7 @@ def markdown(rows: list[dict], info: dict | None = None) -> str:
         for r in sub:
             vals = ([f"{r['kl']:.4f}", f"{r['top1']:.1f}", f"{r['ppl_ratio']:.4f}"] if lm
                     else [f"{r['score']:.0f}", f"{r['full_score']:.0f}"])
-            lines.append([str(r["length"]), r["method"], _knobs(r["knobs"]), f"{r['budget']:g}", str(r["n"]), *vals,
+            lines.append([str(r["length"]), r["method"], knobs_text(r["knobs"]), f"{r['budget']:g}", str(r["n"]), *vals,
                           _mib(r["bytes"]), _mib(r["full_bytes"]), f"{r['ratio']:.3f}", f"{r['seconds']:.2f}"])
         parts += [_table(header, lines), ""]
     return "\n".join(parts)
