@@ -143,17 +143,16 @@ def decode(model, tok, args) -> None:
     keep = times[0]
     rows = [dict(method=name, knobs=knobs, length=args.length, ratio=ratio[i], decode_step_s=med[i],
                  decode_over_full=paired[i], steps=len(keep)) for i, (name, knobs) in enumerate(configs)]
-    info = _write(args, rows, f"Decode step over the quantized cache, {args.length}-token context", [
+    _write(args, rows, f"Decode step over the quantized cache, {args.length}-token context", [
         f"{rows[0]['steps']} one-token steps per method ({args.repeats} rounds), the methods' step t run back "
         "to back; decode / full is the median over steps of the paired ratio. Decoded tokens are quantized "
         "as they arrive; bytes ratio right after compression, over the full 16-bit cache (full: fp32 model).",
         "", "| method | knobs | bytes ratio | median decode step ms | decode / full |", "|---|---|---|---|---|",
         *[f"| {r['method']} | {r['knobs']} | {r['ratio']:.3f} | {r['decode_step_s'] * 1000:.1f} | "
           f"{r['decode_over_full']:.2f} |" for r in rows]])
-    return info
 
 
-def _write(args, rows: list[dict], title: str, body: list[str]) -> dict:
+def _write(args, rows: list[dict], title: str, body: list[str]) -> None:
     """`args.out`.json (meta and rows) and .md (title with date and threads, the command, `body`); prints the md."""
     out = Path(args.out)
     info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
@@ -161,10 +160,9 @@ def _write(args, rows: list[dict], title: str, body: list[str]) -> dict:
     lines = [f"# {title} ({info['date']}, {args.threads} threads)", "", f"command: {info['command']}", "", *body]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return info
 
 
-BINS = ((-math.inf, 1.0), (1.0, 2.0), (2.0, math.inf))  # the full cache's answer margin, in logits
+BINS = (("< 1", -math.inf, 1.0), ("1 to 2", 1.0, 2.0), (">= 2", 2.0, math.inf))  # the full cache's margin, logits
 
 
 @torch.no_grad()
@@ -189,13 +187,12 @@ def margins(model, tok, args) -> None:
         for (name, knobs), m in zip(configs, per):
             m = torch.tensor(m)
             bins = [(int(((lo <= full) & (full < hi)).sum()), int(((lo <= full) & (full < hi) & (m < 0)).sum()))
-                    for lo, hi in BINS]
+                    for _, lo, hi in BINS]
             rows.append(dict(task=task, method=name, knobs=knobs, length=args.length, n=len(m),
                              negative=int((m < 0).sum()), flipped=int(((m < 0) & (full >= 0)).sum()),
                              rescued=int(((m >= 0) & (full < 0)).sum()), median=float(m.quantile(0.5)),
                              median_drop=float((full - m).quantile(0.5)), bins=bins, margins=m.tolist()))
-    heads = " | ".join(f"negative, full margin {'< 1' if lo == -math.inf else f'>= {lo:g}'}"
-                       f"{'' if hi == math.inf or lo == -math.inf else f' and < {hi:g}'}" for lo, hi in BINS)
+    heads = " | ".join(f"negative, full margin {label}" for label, _, _ in BINS)
     _write(args, rows, f"Teacher-forced answer margins, {args.length}-token context", [
         "Margin: the smallest, over the answer's tokens, of the right token's logit less the best other's "
         "(negative: greedy decoding misses). flipped: negative where the full cache's is not; rescued: the reverse; "
