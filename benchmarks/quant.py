@@ -3,7 +3,8 @@
   retrieval: passkey and multikey at 2k tokens, TurboQuant 3.5 / 2.5 bits (defaults: keys +0.5 bit, 4 exact
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
              with key_basis="pca", with pca plus outliers=0.01, with center=True, with rotation="hadamard",
-             with unbiased="values", with unbiased="both" at 2.5 bits and with qjl=True) and KIVI 4 / 2 bits
+             with unbiased="values", with unbiased="both" at 2.5 bits, with pca keys and unbiased values at 2.5
+             bits and with qjl=True) and KIVI 4 / 2 bits
              beside full
              (--groups picks rows, by default the main table's: the defaults and the two ablations; the others, each
              written to its own --out, by name; "rotation" is the two TurboQuant defaults alone, for larger --n;
@@ -65,6 +66,8 @@ CENTER = tq(center=True)  # the defaults with each head's keys coded less their 
 HADAMARD = tq(rotation="hadamard")  # each layer's rotation held as d seeded signs around a Hadamard matrix
 UNBIASED = tq(unbiased="values")  # values read with |v| / <y, y_hat>: no shrink for attention averages to keep
 UNBIASED_BOTH = [("turboquant", {"bits": 2.5, "unbiased": "both"}, [1.0])]  # keys too: logits unshrunk, noisier
+# pca keys (passkey's best at 2.5 bits) with unbiased values (multikey's best that keeps KL down)
+PCA_UNBIASED = [("turboquant", {"bits": 2.5, "key_basis": "pca", "unbiased": "values"}, [1.0])]
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 # KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
 KIVI_SINKS = [("kivi", {"bits": b, **knobs}, [1.0]) for b in (4, 2) for knobs in ({}, {"sinks": 4})]
@@ -116,7 +119,7 @@ SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
           "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED,
-          "unbiased_both": UNBIASED_BOTH, "sides": SIDES, "kivi": KIVI_SINKS}
+          "unbiased_both": UNBIASED_BOTH, "pca_unbiased": PCA_UNBIASED, "sides": SIDES, "kivi": KIVI_SINKS}
 MAIN = ("quant", "noshift", "plain")  # quant_retrieval.md and quant_lm.md; every other group is run by name
 # --part margins: the 2.5-bit defaults, each side alone, the unbiased reads, and 3.5 bits
 MARGINS = [*SIDES, *UNBIASED[1:], *UNBIASED_BOTH, QUANT[0]]
