@@ -209,6 +209,11 @@ def coded_nbytes(H: int, T: int, d: int, bits: float) -> int:
     return n
 
 
+def _after(held: Tensor | None, new: Tensor) -> Tensor:
+    """Per-token side data (H, n) appended after what a state holds (H, T), or `new` where it holds none yet."""
+    return new if held is None else torch.cat([held, new], 1)
+
+
 def qjl_encode(r: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
     """1-bit sketch of residuals r (..., d): sign(S r) as bools and |r|."""
     return (r @ S.t()) >= 0, r.norm(dim=-1)
@@ -267,7 +272,7 @@ class TurboQuantState:
         if first:
             self.v = Coded(yv, self.widths[1])
         v_norm = self._gain(v_norm, yv, self.v.extend(yv), "values")
-        self.v_norm = v_norm if self.v_norm is None else torch.cat([self.v_norm, v_norm], 1)
+        self.v_norm = _after(self.v_norm, v_norm)
         if isinstance(self.k, KeyTransform):
             if not first:  # the prompt's keys were coded when the transform was built
                 self.k.extend(keys)
@@ -279,16 +284,16 @@ class TurboQuantState:
             self.k = Coded(yk, self.widths[0])
         k_hat = self.k.extend(yk)
         k_norm = self._gain(k_norm, yk, k_hat, "keys")
-        self.k_norm = k_norm if self.k_norm is None else torch.cat([self.k_norm, k_norm], 1)
+        self.k_norm = _after(self.k_norm, k_norm)
         if self.qjl:
             resid = self.R.apply(keys) - k_norm.float()[..., None] * k_hat  # in the rotated basis
             signs, r_norm = qjl_encode(resid, self.S.float())
             signs = signs.transpose(0, 1)  # token-major, as the codes
             if self.signs is None:
-                self.signs, self.r_norm = Packed(signs, 1), r_norm.half()
+                self.signs = Packed(signs, 1)
             else:
                 self.signs.append(signs)
-                self.r_norm = torch.cat([self.r_norm, r_norm.half()], 1)
+            self.r_norm = _after(self.r_norm, r_norm.half())
 
     def _directions(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Rotated unit directions and fp32 norms of x (H, n, d)."""
