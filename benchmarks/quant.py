@@ -9,7 +9,8 @@
              (--groups picks rows, by default the main table's: the defaults and the two ablations; the others, each
              written to its own --out, by name; "rotation" is the two TurboQuant defaults alone, for larger --n;
              "sides" is a diagnosis: the 2.5-bit defaults with the values, then the keys, kept exact, to tell how
-             much of the loss each side's codes cause)
+             much of the loss each side's codes cause; "compose_shift" runs compositions at their own budgets,
+             each with and without TurboQuant's key shift, which a composition leaves off unless asked for)
              (--tasks picks one; the quantizers' bit widths are fixed, so their budget is 1 and the bytes
              they hold are reported as the ratio);
   lm:        language-model KL(full || compressed) of the same quantizers, and at budget 0.0625
@@ -115,15 +116,21 @@ class TurboQuantOneSide(TurboQuant):
         return None
 
 
+TINY = 0.0625
+# compositions with and without TurboQuant's key shift (off in a composition unless asked for), on equal bytes
+COMPOSED = (("snapkv+turboquant", {}, 0.25), ("summary+turboquant", {"score": "sentence"}, 0.125),
+            ("summary+turboquant", {}, TINY))
+COMPOSE_SHIFT = [(name, {**knobs, **shift}, [budget]) for name, knobs, budget in COMPOSED
+                 for shift in ({}, {"key_shift": 1})]
 SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
           "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED,
-          "unbiased_both": UNBIASED_BOTH, "pca_unbiased": PCA_UNBIASED, "sides": SIDES, "kivi": KIVI_SINKS}
+          "unbiased_both": UNBIASED_BOTH, "pca_unbiased": PCA_UNBIASED, "sides": SIDES, "kivi": KIVI_SINKS,
+          "compose_shift": COMPOSE_SHIFT}
 MAIN = ("quant", "noshift", "plain")  # quant_retrieval.md and quant_lm.md; every other group is run by name
 # --part margins: the 2.5-bit defaults, each side alone, the unbiased reads, and 3.5 bits
 MARGINS = [*SIDES, *UNBIASED[1:], *UNBIASED_BOTH, QUANT[0]]
-TINY = 0.0625
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
 

@@ -68,3 +68,24 @@ def test_knobs_are_routed_by_owner_or_prefix():
         make_method("snap+kivi")
     with pytest.raises(kvsum.KVSumError, match="not supported"):
         make_method("snapkv+kivi", bits=3)
+
+
+def test_the_quantizers_exact_tokens_are_refused_in_a_composition():
+    for name, knobs in (("snapkv+turboquant", dict(sinks=4)), ("summary+turboquant", dict(turboquant_window=8)),
+                        ("summary+kivi", dict(kivi_sinks=4))):
+        with pytest.raises(kvsum.KVSumError, match="do not apply in a composition: .* decides what stays exact"):
+            make_method(name, **knobs)
+
+
+def test_key_shift_in_a_composition_moves_key_bits_between_layers_in_the_same_bytes():
+    model = tiny_llama(layers=4)
+    ctx = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
+    caches = {k: kvsum.compress(model, ctx, method="snapkv+turboquant", budget=0.125, **k_)
+              for k, k_ in (("off", {}), ("on", dict(key_shift=1)))}
+    widths = {k: [layer.state.inner.widths[0] for layer in c.layers] for k, c in caches.items()}
+    assert widths["off"] == [3.5] * 4  # off by default: 3 bits, keys +0.5
+    assert sorted(widths["on"]) == [2.5, 2.5, 4.5, 4.5]  # the sharpest half +1, the most diffuse half -1
+    on, off = caches["on"], caches["off"]
+    assert abs(on.nbytes() - off.nbytes()) <= 0.02 * off.reference_nbytes
+    for a, b in zip(on.layers, off.layers):  # each layer's bytes follow its entries' cost: about as many entries
+        assert abs(a.state.lengths()[0] - b.state.lengths()[0]) <= 0.1 * b.state.lengths()[0]

@@ -7,6 +7,11 @@ log-mass biases stay in fp16. Knobs go to the method that declares them; a knob 
 `window` ...) must be prefixed with its method's name and an underscore (`snapkv_window=32`,
 `kivi_residual=0`), which works for any knob. Tokens generated while decoding are quantized by `b`'s
 stream into a second, extendable state beside the composed one.
+
+The quantizer codes every entry `a` keeps: what stays exact is `a`'s choice, so the quantizer's own exact
+prompt tokens (`sinks`, `window`) are refused here. TurboQuant's key shift (key bits moved from the most
+diffuse half of the layers to the sharpest) is off in a composition unless `key_shift` is given; with it, each
+layer's bytes follow its entries' cost, so every layer keeps about as many entries as without the shift.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from .quant.stream import QuantStream
 
 QUANTIZERS = ("turboquant", "kivi")
 DEFAULT_BITS = {"turboquant": 3, "kivi": 2}
+EXACT_KNOBS = ("sinks", "window")  # a quantizer's exact prompt tokens: the first method decides what stays exact
 
 
 class ComposedState:
@@ -78,7 +84,7 @@ class Composed(Method):
     def __post_init__(self):
         self.name = f"{self.first.name}+{self.quant.name}"
         self.summary = f"{self.first.name} entries stored by {self.quant.name}"
-        self.needs_queries = self.first.needs_queries
+        self.needs_queries = self.first.needs_queries or self._shifts()  # the key shift ranks layers by queries
         self.bits = self.quant.bits if self.quant.bits is not None else DEFAULT_BITS[self.quant.name]
         supported = self.quant.supported() if hasattr(self.quant, "supported") else (2, 4)
         if self.bits not in supported:
@@ -90,16 +96,34 @@ class Composed(Method):
     def prefill_options(self) -> dict:
         return self.first.prefill_options()
 
+    def _shifts(self) -> bool:
+        """Whether the quantizer moves key bits between layers (TurboQuant with `key_shift`)."""
+        return bool(getattr(self.quant, "shifts_layers", lambda: False)())
+
+    def _layer_shift(self, layer_idx: int) -> int:
+        return self.quant._shift.get(layer_idx, 0) if self._shifts() else 0
+
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+        """The first method's shape over layers, in total bytes; with the key shift, each layer's share scaled by
+        what its entries cost (a widened layer's more), the total unchanged."""
         self._ragged = False  # once per prompt: a prompt's result does not depend on the prompts before it
-        return self.first.layer_budgets(inputs, budget)  # the first method's shape over layers, in total bytes
+        budgets = self.first.layer_budgets(inputs, budget)
+        if not self._shifts():
+            return budgets
+        self.quant.layer_budgets(inputs, budget)  # ranks the layers: quant._shift
+        x = inputs[0]
+        cost = torch.tensor([float(self.quant.nbytes(x.H, x.T, x.d, self.bits, self._layer_shift(i.layer_idx)))
+                             for i in inputs])
+        scaled = torch.tensor(budgets) * cost
+        return (scaled * (sum(budgets) / scaled.sum())).clamp(max=1.0).tolist()
 
     def _quant_nbytes(self, x: LayerInput, n: int, bias: bool) -> int:
         """Bytes of n quantized entries per head (with fp16 biases, and a head index per entry where the first
         method kept ragged heads in an earlier layer of this prompt: summary's entropy allocation does in every
         layer, so only the first layer is compressed twice)."""
         q = self.quant
-        inner = q.nbytes(x.H, n, x.d, self.bits, x.storage) if q.name == "kivi" else q.nbytes(x.H, n, x.d, self.bits)
+        inner = (q.nbytes(x.H, n, x.d, self.bits, x.storage) if q.name == "kivi"
+                 else q.nbytes(x.H, n, x.d, self.bits, self._layer_shift(x.layer_idx)))
         index = (1 if x.H <= 127 else 2) if self._ragged else 0
         return inner + (2 * bias + index) * x.H * n
 
@@ -120,7 +144,7 @@ class Composed(Method):
             if all_coded:  # decoded tokens: every one coded, none of them a sink
                 return self.quant.build(keys, values, self.bits, storage, keys.shape[1], sinks=0)
             return self.quant.build(keys, values, self.bits, storage)
-        return self.quant.build(keys, values, self.bits, layer_idx)
+        return self.quant.build(keys, values, self.bits, layer_idx, self._layer_shift(layer_idx))
 
     def compress(self, x: LayerInput) -> ComposedState:
         bias = True  # assume fitted entries with biases; redo once without if the first method keeps plain ones
@@ -188,4 +212,10 @@ def compose(name: str, **knobs) -> Composed:
                 accepted = sorted(f"{m}_{k}" if k in own[first] & own[quant] else k for m in parts for k in own[m])
                 raise KVSumError(f"{name!r} has no knob {key!r}; accepted: {', '.join(dict.fromkeys(accepted))}")
             routed[holders[0]][key] = value
+    exact = sorted(set(routed[quant]) & set(EXACT_KNOBS))
+    if exact:
+        raise KVSumError(f"{name!r}: {quant}'s exact prompt tokens ({', '.join(exact)}) do not apply in a composition: "
+                         f"{quant} codes every entry {first} keeps, and {first} decides what stays exact")
+    if quant == "turboquant":
+        routed[quant].setdefault("key_shift", 0)  # off unless asked for (see the module docstring)
     return Composed(first=make_method(first, **routed[first]), quant=make_method(quant, **routed[quant]))
