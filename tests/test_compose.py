@@ -80,8 +80,8 @@ def test_the_quantizers_exact_tokens_are_refused_in_a_composition():
 def test_key_shift_in_a_composition_moves_key_bits_between_layers_in_the_same_bytes():
     model = tiny_llama(layers=4)
     ctx = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
-    caches = {k: kvsum.compress(model, ctx, method="snapkv+turboquant", budget=0.125, **k_)
-              for k, k_ in (("off", {}), ("on", dict(key_shift=1)))}
+    caches = {k: kvsum.compress(model, ctx, method="snapkv+turboquant", budget=0.125, **knobs)
+              for k, knobs in (("off", {}), ("on", dict(key_shift=1)))}
     widths = {k: [layer.state.inner.widths[0] for layer in c.layers] for k, c in caches.items()}
     assert widths["off"] == [3.5] * 4  # off by default: 3 bits, keys +0.5
     assert sorted(widths["on"]) == [2.5, 2.5, 4.5, 4.5]  # the sharpest half +1, the most diffuse half -1

@@ -101,7 +101,7 @@ class Composed(Method):
         return bool(getattr(self.quant, "shifts_layers", lambda: False)())
 
     def _layer_shift(self, layer_idx: int) -> int:
-        return self.quant._shift.get(layer_idx, 0) if self._shifts() else 0
+        return self.quant.layer_shift(layer_idx) if self._shifts() else 0
 
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         """The first method's shape over layers, in total bytes; with the key shift, each layer's share scaled by
@@ -110,7 +110,7 @@ class Composed(Method):
         budgets = self.first.layer_budgets(inputs, budget)
         if not self._shifts():
             return budgets
-        self.quant.layer_budgets(inputs, budget)  # ranks the layers: quant._shift
+        self.quant.layer_budgets(inputs, budget)  # ranks the layers for quant.layer_shift
         x = inputs[0]
         cost = torch.tensor([float(self.quant.nbytes(x.H, x.T, x.d, self.bits, self._layer_shift(i.layer_idx)))
                              for i in inputs])

@@ -482,6 +482,10 @@ class TurboQuant(Method):
         within each layer instead."""
         return bool(self.key_shift) and self.key_basis == "random"
 
+    def layer_shift(self, layer_idx: int) -> int:
+        """Key bits moved to this layer by the last `layer_budgets` (0 without the key shift)."""
+        return self._shift.get(layer_idx, 0)
+
     def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
         """Equal bytes per layer; ranks the layers by attention entropy for `key_shift` (see the class)."""
         self._shift = {}
@@ -528,7 +532,7 @@ class TurboQuant(Method):
         full = 2 * x.H * x.T * x.d * 2
         first, last = self._exact(x.T)
         n_q, exact = x.T - first - last, (first + last) * x.H * x.entry_bytes()
-        shift = self._shift.get(x.layer_idx, 0)
+        shift = self.layer_shift(x.layer_idx)
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
                          lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full,
                          self.rotation_hint(x.d, full))
