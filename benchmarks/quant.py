@@ -196,8 +196,8 @@ def margins(model, tok, args) -> None:
         full = torch.tensor(per[0])
         for (name, knobs), m in zip(configs, per):
             m = torch.tensor(m)
-            bins = [(int(((lo <= full) & (full < hi)).sum()), int(((lo <= full) & (full < hi) & (m < 0)).sum()))
-                    for _, lo, hi in BINS]
+            inside = [(lo <= full) & (full < hi) for _, lo, hi in BINS]  # the full cache's margin in each bin
+            bins = [(int(s.sum()), int((s & (m < 0)).sum())) for s in inside]
             rows.append(dict(task=task, method=name, knobs=knobs, length=args.length, n=len(m),
                              negative=int((m < 0).sum()), flipped=int(((m < 0) & (full >= 0)).sum()),
                              rescued=int(((m >= 0) & (full < 0)).sum()), median=float(m.quantile(0.5)),
