@@ -4,7 +4,8 @@
              sinks, keys +-1 bit by layer entropy; without the shift, and without all three, as ablations;
              with key_basis="pca", with pca plus outliers=0.01, with center=True, with rotation="hadamard",
              with unbiased="values", with unbiased="both" at 2.5 bits, with pca keys and unbiased values at 2.5
-             bits and with qjl=True) and KIVI 4 / 2 bits
+             bits, with pca keys coded before RoPE, unbiased values and no skew (keys and values at the same
+             width: "pre_rope"), and with qjl=True) and KIVI 4 / 2 bits
              beside full
              (--groups picks rows, by default the main table's: the defaults and the two ablations; the others, each
              written to its own --out, by name; "rotation" is the two TurboQuant defaults alone, for larger --n;
@@ -69,6 +70,9 @@ UNBIASED = tq(unbiased="values")  # values read with |v| / <y, y_hat>: no shrink
 UNBIASED_BOTH = [("turboquant", {"bits": 2.5, "unbiased": "both"}, [1.0])]  # keys too: logits unshrunk, noisier
 # pca keys (passkey's best at 2.5 bits) with unbiased values (multikey's best that keeps KL down)
 PCA_UNBIASED = [("turboquant", {"bits": 2.5, "key_basis": "pca", "unbiased": "values"}, [1.0])]
+# pca keys coded before RoPE, where a head's keys keep the correlations RoPE smears out; with keys that cheap,
+# values get the same width (skew=0: 2.5 bits = 3-bit codes on a quarter of the channels, 2-bit on the rest)
+PRE_ROPE = tq(key_basis="pca", pre_rope=True, unbiased="values", skew=0)
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 # KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
 KIVI_SINKS = [("kivi", {"bits": b, **knobs}, [1.0]) for b in (4, 2) for knobs in ({}, {"sinks": 4})]
@@ -108,8 +112,8 @@ class TurboQuantOneSide(TurboQuant):
         if self.coded not in ("keys", "values"):
             raise kvsum.KVSumError(f"coded must be 'keys' or 'values', got {self.coded!r}")
 
-    def build(self, keys, values, bits, layer_idx, shift=0, queries=None):
-        state = super().build(keys, values, bits, layer_idx, shift, queries)
+    def build(self, keys, values, bits, layer_idx, shift=0, queries=None, frame=None):
+        state = super().build(keys, values, bits, layer_idx, shift, queries, frame)
         return OneSide(state, values if self.coded == "keys" else keys, self.coded)
 
     def stream(self, layer_idx, state):
@@ -126,8 +130,8 @@ SIDES = [("turboquant", {"bits": 2.5}, [1.0])] + [
     ("turboquant_one_side", {"bits": 2.5, "coded": side}, [1.0]) for side in ("keys", "values")]
 GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PLAIN, "pca": PCA, "outliers": OUTLIERS,
           "center": CENTER, "hadamard": HADAMARD, "qjl": QJL, "unbiased": UNBIASED,
-          "unbiased_both": UNBIASED_BOTH, "pca_unbiased": PCA_UNBIASED, "sides": SIDES, "kivi": KIVI_SINKS,
-          "compose_shift": COMPOSE_SHIFT}
+          "unbiased_both": UNBIASED_BOTH, "pca_unbiased": PCA_UNBIASED, "pre_rope": PRE_ROPE, "sides": SIDES,
+          "kivi": KIVI_SINKS, "compose_shift": COMPOSE_SHIFT}
 MAIN = ("quant", "noshift", "plain")  # quant_retrieval.md and quant_lm.md; every other group is run by name
 # --part margins: the 2.5-bit defaults, each side alone, the unbiased reads, and 3.5 bits
 MARGINS = [*SIDES, *UNBIASED[1:], *UNBIASED_BOTH, QUANT[0]]

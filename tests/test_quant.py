@@ -352,6 +352,7 @@ def _stepwise(model, cache, cont):
 @pytest.mark.parametrize("method,knobs", [("turboquant", dict(bits=4, sinks=0)),
                                           ("turboquant", dict(bits=3, qjl=True, sinks=0)),
                                           ("turboquant", dict(bits=3, key_basis="pca", sinks=0)),
+                                          ("turboquant", dict(bits=3, key_basis="pca", pre_rope=True, sinks=0)),
                                           ("turboquant", dict(bits=3, center=True, sinks=0)),
                                           ("turboquant", dict(bits=3, unbiased="both", sinks=0)),
                                           ("kivi", dict(bits=2)), ("kivi", dict(bits=2, sinks=4))])
@@ -506,6 +507,45 @@ def test_turboquant_pca_keys_cut_the_queries_logit_error_at_no_more_bytes():
         make_method("turboquant", key_basis="eigen")
     with pytest.raises(kvsum.KVSumError, match="without QJL"):
         make_method("turboquant", key_basis="pca", qjl=True)
+
+
+def test_pre_rope_pca_codes_keys_before_rope_at_their_positions():
+    """Keys that share two directions before RoPE, smeared over every pair's plane by it: coded before RoPE,
+    the same bytes hold them far better, and keys decoded later are un-rotated at their own positions."""
+    from kvsum.calibrate import rope_tables, rotate
+    H, T, d, n = 2, 400, 16, 40
+    g = torch.Generator().manual_seed(6)
+    rope = {"inv_freq": 1.0 / 100 ** (torch.arange(0, d, 2) / d), "scaling": 1.0}
+    pre = torch.randn(H, T + n, 2, generator=g) @ (3 * torch.randn(H, 2, d, generator=g))
+    keys = rotate(pre + 0.1 * torch.randn(H, T + n, d, generator=g), *rope_tables(rope["inv_freq"], 1.0, T + n))
+    x = _layer(H, T, d)
+    x.keys, x.rope = keys[:, :T].contiguous(), rope
+    x.queries, x.query_pos = torch.randn(2 * H, 30, d, generator=g), torch.arange(T - 30, T)
+    coded = slice(4, T - 8)
+    states = {p: make_method("turboquant", bits=2.5, key_basis="pca", pre_rope=p, window=8).compress(x).parts[1]
+              for p in (False, True)}
+
+    def rel(st, k):
+        return float((st.keys()[:, -k.shape[1]:] - k).norm() / k.norm())
+    err = {p: rel(st, x.keys[:, coded]) for p, st in states.items()}
+    assert err[True] < 0.3 * err[False]
+    st = states[True]
+    assert st.nbytes() <= make_method("turboquant", bits=2.5, key_shift=0).build(
+        x.keys[:, coded], x.values[:, coded], 2.5, 0).nbytes()
+    q = torch.randn(1, H, 5, d, generator=g)
+    rotated = st.scores(q, 0.5)
+    st.path = "dequant"
+    assert torch.allclose(st.scores(q, 0.5), rotated, atol=1e-4)
+    # decoded keys come after the 8-token window: positions T.., where the prompt's last code is at T - 9
+    st.extend(keys[:, T:], torch.randn(H, n, d, generator=g))
+    assert st.T == T - 12 + n and rel(st, keys[:, T:]) < 2 * err[True]
+    with pytest.raises(kvsum.KVSumError, match="needs key_basis='pca'"):
+        make_method("turboquant", pre_rope=True)
+    x.rope = None
+    with pytest.raises(kvsum.KVSumError, match="Llama form"):
+        make_method("turboquant", key_basis="pca", pre_rope=True).compress(x)
+    with pytest.raises(kvsum.KVSumError, match="drop pre_rope in a composition"):
+        make_method("snapkv+turboquant", key_basis="pca", pre_rope=True)
 
 
 def test_pca_outliers_keep_the_worst_coded_tokens_exact_in_the_same_bytes():

@@ -216,6 +216,9 @@ def compose(name: str, **knobs) -> Composed:
     if exact:
         raise KVSumError(f"{name!r}: {quant}'s exact prompt tokens ({', '.join(exact)}) do not apply in a composition: "
                          f"{quant} codes every entry {first} keeps, and {first} decides what stays exact")
+    if routed[quant].get("pre_rope"):
+        raise KVSumError(f"{name!r}: {quant}'s pre_rope un-rotates each key by its position, and {first} keeps "
+                         "entries whose positions the codes do not get; drop pre_rope in a composition")
     if quant == "turboquant":
         routed[quant].setdefault("key_shift", 0)  # off unless asked for (see the module docstring)
     return Composed(first=make_method(first, **routed[first]), quant=make_method(quant, **routed[quant]))

@@ -20,6 +20,7 @@ import torch
 from scipy import stats
 from torch import Tensor
 
+from ...calibrate import rope_tables, rotate, unrotate
 from ...state import tensor_bytes
 from .codebook import encode, lloyd
 from .packing import Packed, packed_nbytes
@@ -83,6 +84,38 @@ def fit_widths(weight: Tensor, budget_bytes: int, T: int, d: int) -> Tensor:
         bits = max(0, bits - max(1, -(-8 * over // max(T, 1))))
 
 
+class RopeFrame:
+    """Positions of a layer's coded keys, for coding them before RoPE: the prompt's `n` keys from `start`, then
+    decoded keys from `resume` (the prompt's length: the positions the model gives them). The tables are
+    recomputed from the model's own `rope` (kvsum.calibrate.layer_rope), not held."""
+
+    def __init__(self, rope: dict, start: int, n: int, resume: int):
+        self.rope, self.start, self.n, self.resume = rope, start, n, resume
+
+    def positions(self, first: int, n: int) -> Tensor:
+        """Positions of held keys first..first + n - 1 (the prompt's run, then the decoded one)."""
+        i = torch.arange(first, first + n)
+        return torch.where(i < self.n, self.start + i, self.resume + i - self.n)
+
+    def _tables(self, pos: Tensor, device) -> tuple[Tensor, Tensor]:
+        cos, sin = rope_tables(self.rope["inv_freq"], self.rope["scaling"], int(pos.max()) + 1, device)
+        return cos[pos.to(device)], sin[pos.to(device)]
+
+    def undo(self, keys: Tensor, first: int) -> Tensor:
+        """Post-RoPE keys (H, n, d), held from index `first`, turned back to before RoPE."""
+        return unrotate(keys, *self._tables(self.positions(first, keys.shape[1]), keys.device))
+
+    def apply(self, keys: Tensor) -> Tensor:
+        """Pre-RoPE keys (H, T, d), all that is held, turned to their positions."""
+        return rotate(keys, *self._tables(self.positions(0, keys.shape[1]), keys.device))
+
+    def queries(self, q: Tensor, n_pos: int = 64) -> Tensor:
+        """Reference queries (H, M, d) as pre-RoPE keys at `n_pos` prompt positions see them: (H, M * n_pos, d)."""
+        pos = self.positions(0, self.n)[torch.linspace(0, self.n - 1, min(n_pos, self.n)).long().unique()]
+        cos, sin = self._tables(pos, q.device)
+        return unrotate(q[:, :, None, :], cos, sin).flatten(1, 2)
+
+
 class KeyTransform:
     """One layer's keys (H, T, d) as transform codes, each head in at most `head_bytes`.
 
@@ -90,11 +123,17 @@ class KeyTransform:
     expected logit error over the queries), is also held exact (fp16 keys, int32 positions, paid out of the
     head's bytes): a few tokens lie outside what the per-axis codebooks and the zero-bit axes can hold, and
     unlike a rotation's codes with per-token norms, the transform codes would lose most of such a key.
-    `extend` codes decoding-time keys on the same axes and widths."""
+    `extend` codes decoding-time keys on the same axes and widths. With a `frame` the keys are coded before
+    RoPE (see the module) and turned back to their positions when read."""
 
-    def __init__(self, keys: Tensor, queries: Tensor | None, head_bytes: int, outliers: float = 0.0):
+    def __init__(self, keys: Tensor, queries: Tensor | None, head_bytes: int, outliers: float = 0.0,
+                 frame: RopeFrame | None = None):
         H, T, d = keys.shape
         self.H, self.T, self.d = H, 0, d
+        self.frame = frame
+        if frame is not None:
+            keys = frame.undo(keys, 0)
+            queries = frame.queries(queries) if queries is not None else None
         self.heads, fits = [], []  # fits: each head's (axes U, query weights w), for the outliers' error
         n_out = min(T, round(outliers * T))
         head_bytes -= n_out * (2 * d + 4)
@@ -112,7 +151,7 @@ class KeyTransform:
             self.heads.append(dict(mean=mean.to(torch.float16), axes=axes, std=std, widths=b[used].to(torch.uint8),
                                    groups=groups))
             fits.append((U, w))
-        self.extend(keys)
+        self._extend(keys)
         self.exact = None
         if n_out:  # (H, n) positions and their fp16 keys
             # each token's expected squared logit error over the queries: sum_i w_i (x_i - x_hat_i)^2
@@ -123,6 +162,9 @@ class KeyTransform:
 
     def extend(self, keys: Tensor) -> None:
         """Code keys (H, n, d) after the current ones."""
+        self._extend(self.frame.undo(keys, self.T) if self.frame is not None else keys)
+
+    def _extend(self, keys: Tensor) -> None:
         for h, head in enumerate(self.heads):
             z = (keys[h] - head["mean"].float()) @ head["axes"].float() / head["std"].float()
             for g in head["groups"]:
@@ -151,11 +193,14 @@ class KeyTransform:
         if self.exact is not None:
             idx, ek = self.exact
             k.scatter_(1, idx.long()[..., None].expand(-1, -1, self.d), ek.float())
-        return k
+        return self.frame.apply(k) if self.frame is not None else k
 
     def scores(self, q: Tensor) -> Tensor:
         """q (1, H, M, d) against the keys -> (1, H, M, T) unscaled: the queries move onto each head's axes once;
-        the mean's logit is exact, and so are the outliers'."""
+        the mean's logit is exact, and so are the outliers'. Keys coded before RoPE are read at their positions
+        (dequantized: each position turns them differently)."""
+        if self.frame is not None:
+            return q @ self.keys()[None].transpose(-1, -2)
         out = torch.stack([(q[0, h] @ hd["axes"].float()) @ self._coords(hd).t()
                            + (q[0, h] @ hd["mean"].float())[:, None] for h, hd in enumerate(self.heads)])
         if self.exact is not None:

@@ -33,7 +33,7 @@ from ..summary.fit import head_diffuseness
 from . import native
 from .codebook import codebook, encode
 from .packing import Packed, packed_nbytes, pick_bits
-from .pca import KeyTransform
+from .pca import KeyTransform, RopeFrame
 from .stream import QuantStream
 
 SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
@@ -397,7 +397,9 @@ class TurboQuant(Method):
     by the reference queries (pca.py), in the bytes the random-rotation keys and their norms would take;
     values keep the rotation. Its allocation follows the queries within each layer, so the key shift is off.
     `outliers` (pca only): that fraction of each head's prompt tokens, the ones its codes serve worst, is kept
-    exact inside the same key bytes. `center` codes each head's keys less their prompt mean (fp16, counted),
+    exact inside the same key bytes. `pre_rope` (pca only) codes the keys as they were before RoPE, un-rotated
+    by position (the model's own RoPE, Llama form), where a head's keys keep the correlations RoPE smears out.
+    `center` codes each head's keys less their prompt mean (fp16, counted),
     whose logit is exact (pca keys are centered anyway). `rotation="hadamard"` replaces each layer's dense
     random rotation (fp16, d*d*2 bytes) by a seeded-sign Hadamard transform (d bytes): the better choice where
     the head dim is large beside the KV heads' tokens (see Rotation). `unbiased` names the sides ("values",
@@ -424,6 +426,7 @@ class TurboQuant(Method):
     center: bool = False
     rotation: str = "qr"
     unbiased: str = "none"
+    pre_rope: bool = False
 
     def __post_init__(self):
         self._shift = {}  # layer index -> key bits moved to it (layer_budgets fills it per prompt)
@@ -436,6 +439,8 @@ class TurboQuant(Method):
         if not 0 <= self.outliers < 1 or (self.outliers and self.key_basis != "pca"):
             raise KVSumError(f"turboquant: outliers={self.outliers} must be in [0, 1), with key_basis='pca' (the "
                              "tokens its transform codes serve worst are kept exact)")
+        if self.pre_rope and self.key_basis != "pca":
+            raise KVSumError("turboquant: pre_rope codes pca keys before RoPE; it needs key_basis='pca'")
         own_keys = self.qjl or self.key_basis == "pca"  # the keys' own unbiasing / coding
         if self.unbiased not in UNBIASED or (own_keys and self.unbiased in ("keys", "both")):
             raise KVSumError(f"turboquant: unbiased={self.unbiased!r}; accepted: {', '.join(UNBIASED)} (not the keys "
@@ -510,10 +515,13 @@ class TurboQuant(Method):
         return n
 
     def build(self, keys: Tensor, values: Tensor, bits: float, layer_idx: int, shift: int = 0,
-              queries: Tensor | None = None) -> TurboQuantState:
+              queries: Tensor | None = None, frame: RopeFrame | None = None) -> TurboQuantState:
         """The state of keys and values (H, T, d) fp32 at `bits` (keys shifted by `shift` bits), with layer
         `layer_idx`'s rotation; with key_basis="pca", keys get the bytes random-rotation keys and their norms
-        would hold, as transform codes weighted by `queries` (H, M, d) (uniformly without)."""
+        would hold, as transform codes weighted by `queries` (H, M, d) (uniformly without), before RoPE at the
+        keys' positions in `frame` with `pre_rope`."""
+        if self.pre_rope and frame is None:
+            raise KVSumError("turboquant: pre_rope needs the keys' positions and the model's RoPE (a RopeFrame)")
         seed = self.seed * 1_000_003 + 2 * layer_idx
         R = Rotation(keys.shape[-1], seed, self.rotation, keys.device)
         S = gaussian(keys.shape[-1], seed + 1).to(torch.float16).to(keys.device) if self.qjl else None
@@ -521,7 +529,8 @@ class TurboQuant(Method):
         if self.key_basis == "pca":
             H, T, d = keys.shape
             head_bytes = (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H  # what the codes and fp16 norms take
-            kt = KeyTransform(keys, queries, head_bytes, self.outliers)  # the state never sees the queries
+            frame = frame if self.pre_rope else None
+            kt = KeyTransform(keys, queries, head_bytes, self.outliers, frame)  # the state never sees the queries
         return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, self.center, kt, self.unbiased)
 
     def basis_queries(self, x: LayerInput) -> Tensor | None:
@@ -536,10 +545,16 @@ class TurboQuant(Method):
         bits = pick_bits("turboquant" + (" with qjl" if self.qjl else ""), self.bits, self.supported(),
                          lambda b: self.shifted_nbytes(x.H, n_q, x.d, b, shift) + exact, x.budget_bytes, full,
                          self.rotation_hint(x.d, full))
-        q = self.basis_queries(x)
+        q, frame = self.basis_queries(x), None
+        if self.pre_rope:
+            if x.rope is None:
+                raise KVSumError("turboquant: pre_rope un-rotates keys by the model's RoPE, which kvsum reads only "
+                                 "in the Llama form (rotary_emb with inv_freq); this model's is not; drop pre_rope")
+            frame = RopeFrame(x.rope, first, x.T - first - last, x.T)  # decoded keys: from the prompt's length on
         if not first + last:
-            return self.build(x.keys, x.values, bits, x.layer_idx, shift, q)
-        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift, q)
+            return self.build(x.keys, x.values, bits, x.layer_idx, shift, q, frame)
+        coded = self.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, x.layer_idx, shift, q,
+                           frame)
         exact = [x.keep([torch.arange(a, b, device=x.keys.device)] * x.H) if b > a else None
                  for a, b in ((0, first), (x.T - last, x.T))]
         return ConcatState([exact[0], coded, exact[1]])  # in position order
