@@ -135,6 +135,9 @@ GROUPS = {"quant": QUANT, "rotation": QUANT[:2], "noshift": NOSHIFT, "plain": PL
 MAIN = ("quant", "noshift", "plain")  # quant_retrieval.md and quant_lm.md; every other group is run by name
 # --part margins: the 2.5-bit defaults, each side alone, the unbiased reads, and 3.5 bits
 MARGINS = [*SIDES, *UNBIASED[1:], *UNBIASED_BOTH, QUANT[0]]
+# --part decode: both attention paths at 4 / 3.5 / 2.5 / 2 bits, pca keys, kivi
+DECODE = [*[("turboquant", {"bits": b, "path": p}, [1.0]) for b in (4, 3.5, 2.5, 2) for p in PATHS],
+          *PCA, ("kivi", {"bits": 4}, [1.0]), ("kivi", {"bits": 2}, [1.0])]
 COMPOSE = [("summary", {}, [TINY]), ("summary+turboquant", {}, [TINY]), ("turboquant", {"bits": 1}, [0.1])]
 
 
@@ -145,9 +148,7 @@ def decode(model, tok, args) -> None:
     ex = next(get_task("lm").examples(tok, args.length, 1, seed=11))
     ctx, tokens = ex.context_ids, ex.question_ids[:, :args.steps]
     pre = kvsum.prefill(model, ctx)
-    configs = [("full", {}), *[("turboquant", {"bits": b, "path": p}) for b in (4, 3.5, 2.5, 2) for p in PATHS],
-               *[("turboquant", {"bits": b, "key_basis": "pca"}) for b in (3.5, 2.5)],
-               ("kivi", {"bits": 4}), ("kivi", {"bits": 2})]
+    configs = [("full", {}), *[(name, knobs) for name, knobs, _ in (args.rows or DECODE)]]
     times, ratio = [[] for _ in configs], {}
     for _ in range(args.repeats):
         caches = [kvsum.compress_prefill(pre, make_method(name, **knobs), 1.0) for name, knobs in configs]
@@ -184,7 +185,7 @@ def margins(model, tok, args) -> None:
     """Teacher-forced answer margins (kvsum.eval.metrics.answer_margin) of each config beside the full cache's,
     on the same examples: how far the codes move each answer, and which examples they flip (by how near the
     full cache itself was to flipping them). Question and answer are one forward pass, so they stay exact."""
-    configs = [("full", {}), *[(name, knobs) for name, knobs, _ in MARGINS]]
+    configs = [("full", {}), *[(name, knobs) for name, knobs, _ in (args.rows or MARGINS)]]
     rows = []
     for task in args.tasks:
         per = [[] for _ in configs]
@@ -230,17 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compose-bits", type=float, nargs="*", default=None,
                     help="lm: summary+turboquant at these bit widths (default: its default width)")
     ap.add_argument("--no-quant", action="store_true", help="lm: only the budget-0.0625 comparison")
-    ap.add_argument("--groups", nargs="+", choices=list(GROUPS),
-                    default=list(MAIN),
-                    help="retrieval / lm: which quantizer rows run beside full (default: the main table's "
-                         f"{', '.join(MAIN)}; each other group writes its own table)")
+    ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=None,
+                    help="which quantizer rows run beside full (retrieval / lm default: the main table's "
+                         f"{', '.join(MAIN)}; decode / margins default: their own rows, which given groups replace, "
+                         "the 2.5-bit defaults kept as a reference; each other group writes its own table)")
     ap.add_argument("--steps", type=int, default=40, help="decode: tokens decoded per round")
     ap.add_argument("--repeats", type=int, default=3, help="decode: interleaved rounds")
     args = ap.parse_args(argv)
     if args.out == str(RESULTS / "quant"):
         args.out = str(RESULTS / f"quant_{args.part}")
     model, tok, t0 = start(args)
-    quant = [row for g in args.groups for row in GROUPS[g]]
+    quant = [row for g in args.groups or MAIN for row in GROUPS[g]]
+    args.rows = args.groups and [QUANT[1], *[r for r in quant if r != QUANT[1]]]  # decode / margins
     if args.part in ("decode", "margins"):
         return (decode if args.part == "decode" else margins)(model, tok, args)
     if args.part == "retrieval":

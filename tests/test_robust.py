@@ -250,6 +250,16 @@ def test_batch_quantizes_each_sequences_generated_tokens(method):
         assert folded >= 32 and all(c.T == n - 4 * (method == "turboquant") + folded for c, n in zip(coded, lengths))
 
 
+def test_batch_pre_rope_keys_fold_at_each_sequences_positions():
+    """pre_rope un-rotates keys by position: in a left-padded batch each sequence's decoded keys take positions
+    from its own prompt length on, as the attention mask gives them, so it decodes as each sequence alone."""
+    cache, _, _ = _batch_equals_alone(tiny_llama(), "turboquant", [300, 231, 97], budget=0.5, steps=70, bits=3,
+                                      key_basis="pca", pre_rope=True)
+    layer = cache.layers[0]
+    folded = layer.offset - 300  # generated tokens folded into every sequence's codes
+    assert folded >= 32 and all(s.parts[1].T == n - 4 + folded for s, n in zip(layer.state.states, [300, 231, 97]))
+
+
 def test_sampled_copies_of_a_quantized_cache_stop_streaming(tiny, ids):
     """num_return_sequences repeats one sequence's state: its stream cannot serve the copies, so it stops and
     their generated tokens stay in the tail (before, a shared stream would fold one copy's tokens for all)."""
