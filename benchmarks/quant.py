@@ -71,7 +71,7 @@ UNBIASED_BOTH = [("turboquant", {"bits": 2.5, "unbiased": "both"}, [1.0])]  # ke
 # pca keys (passkey's best at 2.5 bits) with unbiased values (multikey's best that keeps KL down)
 PCA_UNBIASED = [("turboquant", {"bits": 2.5, "key_basis": "pca", "unbiased": "values"}, [1.0])]
 # pca keys coded before RoPE, where a head's keys keep the correlations RoPE smears out; with keys that cheap,
-# values get the same width (skew=0: 2.5 bits = 3-bit codes on a quarter of the channels, 2-bit on the rest)
+# values get the same width (skew=0: 2.5-bit values = 3-bit codes on half the channels, 2-bit on the rest)
 PRE_ROPE = tq(key_basis="pca", pre_rope=True, unbiased="values", skew=0)
 QJL = tq(qjl=True)  # one of the keys' bits spent on the 1-bit QJL sketch of their residual (unbiased logits)
 # KIVI as published beside KIVI with its first 4 tokens (the attention sinks) exact, as TurboQuant keeps them
