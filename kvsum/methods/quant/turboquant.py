@@ -529,7 +529,6 @@ class TurboQuant(Method):
         if self.key_basis == "pca":
             H, T, d = keys.shape
             head_bytes = (coded_nbytes(H, T, d, widths[0]) + H * T * 2) // H  # what the codes and fp16 norms take
-            frame = frame if self.pre_rope else None
             kt = KeyTransform(keys, queries, head_bytes, self.outliers, frame)  # the state never sees the queries
         return TurboQuantState(keys, values, bits, self.qjl, R, S, self.path, widths, self.center, kt, self.unbiased)
 
