@@ -227,15 +227,16 @@ def test_failed_decoding_step_leaves_the_cache_as_it_was(tiny, ids):
     assert cache.nbytes() == held and cache.get_seq_length() == seen
 
 
-@pytest.mark.parametrize("method", ["turboquant", "kivi"])
-def test_batch_quantizes_each_sequences_generated_tokens(method):
+@pytest.mark.parametrize("method,knobs", [("turboquant", {}), ("kivi", dict(bits=4, residual=16)),
+                                          ("turboquant", dict(bits=3, key_basis="pca", pre_rope=True))])
+def test_batch_quantizes_each_sequences_generated_tokens(method, knobs):
     """Streams follow a batch: every sequence's generated tokens are folded into its own quantized state as
-    they arrive (turboquant folds exactly when each sequence alone would, so greedy outputs are equal)."""
+    they arrive (turboquant folds exactly when each sequence alone would, so greedy outputs are equal; with
+    pre_rope each sequence's decoded keys take positions from its own prompt length on, as the mask gives them)."""
     model = tiny_llama()
-    knobs = dict(bits=4, residual=16) if method == "kivi" else {}
     lengths = [300, 231, 97]
     if method == "turboquant":
-        cache, _, _ = _batch_equals_alone(model, method, lengths, budget=0.5, steps=70)
+        cache, _, _ = _batch_equals_alone(model, method, lengths, budget=0.5, steps=70, **knobs)
     else:
         g = torch.Generator().manual_seed(3)
         ids, mask = _left_pad([torch.randint(1, 128, (n,), generator=g) for n in lengths])
@@ -248,16 +249,6 @@ def test_batch_quantizes_each_sequences_generated_tokens(method):
         coded = [s.parts[1] if method == "turboquant" else s for s in layer.state.states]  # (past 4 exact sinks)
         folded = layer.offset - max(lengths)
         assert folded >= 32 and all(c.T == n - 4 * (method == "turboquant") + folded for c, n in zip(coded, lengths))
-
-
-def test_batch_pre_rope_keys_fold_at_each_sequences_positions():
-    """pre_rope un-rotates keys by position: in a left-padded batch each sequence's decoded keys take positions
-    from its own prompt length on, as the attention mask gives them, so it decodes as each sequence alone."""
-    cache, _, _ = _batch_equals_alone(tiny_llama(), "turboquant", [300, 231, 97], budget=0.5, steps=70, bits=3,
-                                      key_basis="pca", pre_rope=True)
-    layer = cache.layers[0]
-    folded = layer.offset - 300  # generated tokens folded into every sequence's codes
-    assert folded >= 32 and all(s.parts[1].T == n - 4 + folded for s, n in zip(layer.state.states, [300, 231, 97]))
 
 
 def test_sampled_copies_of_a_quantized_cache_stop_streaming(tiny, ids):
