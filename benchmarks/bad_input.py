@@ -2,7 +2,7 @@
 
 Each case calls a public function (or the CLI) with one bad argument; kvsum must raise one KVSumError
 whose single-line message names the argument and what is accepted (the CLI: one line, exit code 2).
-Writes benchmarks/results/bad_input.{json,md}; tests/test_robust.py asserts every case. Tiny random
+Writes benchmarks/results/robust/bad_input.{json,md} (--out); tests/test_robust.py asserts every case. Tiny random
 models only: runs in seconds.
 """
 
@@ -21,9 +21,9 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LM
 import kvsum
 from kvsum.attention import use_kvsum_attention
 from kvsum.calibrate import Artifact, calibrate
-from kvsum.methods.base import make_method
+from kvsum.methods import make_method
 
-RESULTS = Path(__file__).parent / "results"
+OUT = Path(__file__).parent / "results" / "robust" / "bad_input"
 
 
 def llama(layers: int = 2, seed: int = 0):
@@ -103,8 +103,8 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         ("register a non-method", lambda: kvsum.register(dict)),
         ("compress_prefill with a non-method", lambda: kvsum.compress_prefill(kvsum.prefill(m, ids), 42, 0.25)),
         # context
-        ("context shorter than the method's window (snapkv, 40 tokens, window 64)",
-         lambda: kvsum.compress(m, ids[:, :40], method="snapkv")),
+        ("budget below a fixed width's bytes (turboquant bits=4 at 0.1): names the smallest that fits",
+         lambda: kvsum.compress(m, ids, method="turboquant", bits=4, budget=0.1)),
         ("empty input_ids (1, 0)", lambda: kvsum.compress(m, torch.zeros(1, 0, dtype=torch.long))),
         ("empty batch (0, 5)", lambda: kvsum.compress(m, torch.zeros(0, 5, dtype=torch.long))),
         ("context longer than the model's window", lambda: kvsum.compress(m, torch.zeros(1, 5000, dtype=torch.long))),
@@ -173,16 +173,24 @@ def run_cli(cmd: list[str]) -> dict:
                 ok=p.returncode == 2 and len(lines) == 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from benchmarks.common import info_line, run_info  # this file is also loaded alone, by tests/test_robust.py
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(OUT), help="output stem (.json and .md)")
+    out = Path(ap.parse_args(argv).out)
     torch.set_num_threads(1)
     rows = run_cases() + [run_cli(c) for c in CLI]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bad_input.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = ["# Bad inputs and the errors kvsum gives", "", f"`python {' '.join(sys.argv)}`: every call raises one "
+    info = run_info(None, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+    md = ["# Bad inputs and the errors kvsum gives", "", info_line(info), "", "Every call raises one "
           "KVSumError with a one-line message (the CLI prints that line and exits with code 2).", "",
           "| input | error | ok |", "|---|---|---|"]
     md += [f"| {r['input']} | {r['error'].replace('|', '/')} | {'yes' if r['ok'] else 'NO'} |" for r in rows]
-    (RESULTS / "bad_input.md").write_text("\n".join(md) + "\n")
+    out.with_name(out.name + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} inputs give one clear error")

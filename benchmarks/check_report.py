@@ -6,7 +6,7 @@ how many plot images decoded (data-plots-decoded) and any script or resource err
 script has Chromium load the page from disk with the network disabled, dumps the DOM after load, compares
 the counts, scans the browser's console log for errors and takes a full-page screenshot.
 
-    python benchmarks/check_report.py [benchmarks/results/report/report.html]
+    python -m benchmarks.check_report [benchmarks/results/report/report.html]
 
 Writes check.json and screenshot.png next to the page; exits 1 if a check fails.
 """
@@ -56,8 +56,9 @@ def crop(png: Path) -> int:
     return im.height
 
 
-def main() -> int:
-    page = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/report/report.html").resolve()
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    page = Path(argv[0] if argv else "benchmarks/results/report/report.html").resolve()
     url = page.as_uri()
     with tempfile.TemporaryDirectory() as profile:
         dom = run(["--dump-dom", url], profile)

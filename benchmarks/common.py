@@ -1,10 +1,12 @@
-"""What every evaluation benchmark script shares: its standard arguments and how it writes its results."""
+"""What every benchmark runner shares: standard arguments, method specs, the run's meta and how results are written."""
 
 from __future__ import annotations
 
 import argparse
-import ast
+import json
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,8 +15,44 @@ import torch
 
 import kvsum
 from kvsum.eval import write
+from kvsum.eval.report import meta
 
-RESULTS = Path(__file__).parent / "results"
+from .experiments import RESULTS
+from .specs import method_rows, parse_method, parse_row
+
+__all__ = ["RESULTS", "method_rows", "parse_method", "parse_row"]
+
+REPO = Path(__file__).resolve().parent.parent
+CONTEXT = {"experiment": None, "command": None}  # set by `python -m benchmarks run NAME` around each invocation
+
+
+def command() -> str:
+    """The exact command line of this run: the runner and its arguments as `python -m benchmarks run` called it,
+    else the process's own."""
+    return CONTEXT["command"] or shlex.join(["python", *sys.argv])
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, with "+dirty" when tracked files differ from it (None outside git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def run_info(model: str | None, threads: int | None, **extra) -> dict:
+    """The meta every result file carries: experiment, command, date, versions, git commit, threads."""
+    info = meta(model, command(), threads=threads, **extra)
+    return {"experiment": CONTEXT["experiment"], **info, "commit": git_commit()}
+
+
+def info_line(info: dict) -> str:
+    """The meta as one markdown line."""
+    return ", ".join(f"{k}: {v}" for k, v in info.items() if v is not None and not isinstance(v, list | dict))
 
 
 def arguments(doc: str, name: str, threads: int) -> argparse.ArgumentParser:
@@ -34,24 +72,11 @@ def start(args):
 
 
 def finish(rows: list[dict], args, t0: float) -> None:
-    """Write rows as JSON + markdown with the command line, threads and wall time, and print the table."""
-    js, md = write(rows, args.out, model=args.model, command=" ".join(["python", *sys.argv]),
-                   threads=args.threads, wall_s=round(time.perf_counter() - t0, 1))
+    """Write rows as JSON + markdown with the run's meta and wall time, and print the table."""
+    info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1))
+    js, md = write(rows, args.out, **{k: v for k, v in info.items()})
     print(md.read_text())
     print(f"wrote {js} and {md}")
-
-
-def parse_method(text: str) -> tuple[str, dict]:
-    """A method given as `name` or `name:knob=value,knob=value` (values as Python literals, else strings)."""
-    name, _, rest = text.partition(":")
-    knobs = {}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        try:
-            knobs[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            knobs[k] = v
-    return name, knobs
 
 
 @torch.no_grad()
@@ -73,3 +98,16 @@ def paired_medians(times: list[list[float]]) -> tuple[list[float], list[float]]:
     """Per cache: the median step seconds and the median over steps of its step time over the first cache's."""
     return ([statistics.median(ts) for ts in times],
             [statistics.median(a / b for a, b in zip(ts, times[0])) for ts in times])
+
+
+def write_page(rows: list[dict], args, t0: float, title: str, table: list[str], **extra) -> None:
+    """JSON rows (+ extra keys) and a markdown page (title, the run's meta, table), for tables that are not the
+    eval runner's rows."""
+    stem = Path(args.out)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1))
+    data = json.dumps({"meta": info, "rows": rows, **extra}, indent=1, default=str)
+    stem.with_name(stem.name + ".json").write_text(data + "\n")
+    md = [f"# {title}", "", info_line(info), "", *table, ""]
+    stem.with_name(stem.name + ".md").write_text("\n".join(md))
+    print("\n".join(md))

@@ -5,25 +5,25 @@ plus the extra prefill work the method asks for: the surprisal pass, the sentenc
 repeat=True; each method is warmed up once first, as a server computes its codebooks once; compression and
 prefill each the best of two runs, so a neighbour's burst on this shared machine hits neither), and the decode-step time
 with the compressed cache over the full cache, paired step by step (common.paired_decode). Writes
-benchmarks/results/cost.{json,md}.
+benchmarks/results/perf/cost.{json,md} (--out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-from common import paired_decode, paired_medians, parse_method
 
 import kvsum
-from kvsum.compress import sentence_ends, token_surprisal
-from kvsum.eval.report import meta
 from kvsum.eval.tasks import get_task
-from kvsum.methods.base import make_method, prefill_needs
+from kvsum.methods import make_method, prefill_needs
+from kvsum.prefill import sentence_ends, token_surprisal
+
+from .common import info_line, paired_decode, paired_medians, parse_method, run_info
+from .experiments import RESULTS
 
 
 def spec(text: str):
@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--methods", nargs="+", default=["summary", "hae", "streaming_llm", "snapkv", "restkv"],
-                    help="names, or name:knob=value,... (e.g. summary:cover_bits=3,score=surprisal)")
+                    help="names, or name:knob=value,... (e.g. summary:cover=turboquant(bits=3),score=surprisal)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost"))
+    ap.add_argument("--out", default=str(RESULTS / "perf" / "cost"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model)
@@ -95,19 +95,20 @@ def main(argv: list[str] | None = None) -> None:
         print(r, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
-    out.with_suffix(".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+    info = run_info(args.model, args.threads)
+    out.with_name(out.name + ".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
     lines = [f"# Cost at {args.length} tokens, budget {args.budget} ({info['date']}, {args.threads} threads)", "",
              f"Plain prefill (with query capture): {plain:.2f} s; extra prefill work the methods ask for: "
              f"{', '.join(f'{k} {v:.2f} s' for k, v in extra_s.items()) or 'none'}; "
              f"full-cache decode step: {full_step * 1000:.1f} ms (median of {tokens.shape[1] - 2} one-token steps; "
              "step t of every cache run back to back, decode / full the median of the paired ratios).", "",
+             info_line(info), "",
              "| method | bytes ratio | compress s | capture s | (compress + capture) / prefill | decode step ms |"
              " decode / full |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['ratio']:.3f} | {r['compress_s']:.2f} | {r['capture_s']:.2f} | "
               f"{r['compress_over_prefill']:.3f} | {r['decode_step_s'] * 1000:.1f} | {r['decode_over_full']:.3f} |"
               for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_name(out.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

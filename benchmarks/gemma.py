@@ -7,24 +7,23 @@ global layers. The budget governs the global layers (`global ratio`); `total rat
 
 Passkey and multi-key retrieval at 2k tokens, lm fidelity on a 2k-token prefix, query-agnostic.
 One task per invocation (`--task`), so each locked run stays short; rows merge into
-benchmarks/results/gemma.{json,md}.
+benchmarks/results/gemma/gemma.{json,md}.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-from common import arguments, parse_method, start
 
 from kvsum.budget import full_nbytes
 from kvsum.errors import KVSumError
 from kvsum.eval import run
-from kvsum.eval.report import meta
-from kvsum.methods.base import LayerInput, make_method
+from kvsum.methods import LayerInput, make_method
+
+from .common import arguments, info_line, parse_method, run_info, start
 
 METHODS = ["full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi"]
 BUDGETS = [0.5, 0.25, 0.125]
@@ -62,8 +61,8 @@ def label(row: dict) -> str:
     return row["method"] + (":" + ",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "")
 
 
-def render(rows: list[dict], runs: list[dict]) -> str:
-    parts = ["# Gemma 3 270M", "", __doc__.split("\n\n")[1].replace("\n", " "), "",
+def render(rows: list[dict], runs: list[dict], info: dict) -> str:
+    parts = ["# Gemma 3 270M", "", info_line(info), "", __doc__.split("\n\n")[1].replace("\n", " "), "",
              "An empty cell: the method cannot fit that budget on this model (kvsum raises a KVSumError naming what "
              "fits; the messages are listed under Runs).", ""]
     for task in ("passkey", "multikey", "lm"):
@@ -97,7 +96,7 @@ def render(rows: list[dict], runs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = arguments(__doc__, "gemma", threads=2)
+    ap = arguments(__doc__, "gemma/gemma", threads=2)
     ap.set_defaults(model="gemma3-270m")
     ap.add_argument("--task", choices=["passkey", "multikey", "lm"], required=True)
     ap.add_argument("--length", type=int, default=2048)
@@ -118,20 +117,20 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     js = out.with_name(out.name + ".json")
     old = json.loads(js.read_text()) if js.exists() else {"rows": [], "runs": []}
-    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads,
-                wall_s=round(time.perf_counter() - t0, 1), task=args.task)
+    info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1), task=args.task)
     info["refused"] = refused
     info["methods"] = args.methods
     keep = [r for r in old["rows"] if r["task"] != args.task or label(r) not in args.methods]
     runs = [r for r in old["runs"] if r.get("task") != args.task
             or not set(r.get("methods", METHODS)) <= set(args.methods)] + [info]
     order = {"passkey": 0, "multikey": 1, "lm": 2}
-    data = {"rows": sorted(keep + rows, key=lambda r: order[r["task"]]),
+    data = {"meta": {**info, "command": None, "commands": [r["command"] for r in runs]},
+            "rows": sorted(keep + rows, key=lambda r: order[r["task"]]),
             "runs": sorted(runs, key=lambda r: order[r["task"]])}
     js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(data, indent=1, default=str) + "\n")
     md = out.with_name(out.name + ".md")
-    md.write_text(render(data["rows"], data["runs"]))
+    md.write_text(render(data["rows"], data["runs"], data["meta"]))
     print(md.read_text())
 
 

@@ -6,7 +6,7 @@ float first (the same state, the kernel switched off), beside exact fp32 attenti
 (what the full cache pays for its attention). Shapes of the bundled models: SmolLM2 (3 KV heads, head dim
 64, 3 query rows) and Gemma 3 (1 KV head, head dim 256, 4 rows). The timed calls of a row are interleaved
 round by round and their medians taken, so the ratios come from one run. Codes are of random data: timing
-does not depend on their values. Writes benchmarks/results/quant_kernel.{json,md}.
+does not depend on their values. Writes benchmarks/results/quant/quant_kernel.{json,md}.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS
 
-from kvsum.eval.report import meta
 from kvsum.methods.quant import native
 from kvsum.methods.quant.turboquant import TurboQuant
+
+from .common import info_line, run_info
+from .experiments import RESULTS
 
 SHAPES = {"smollm2": (3, 64, 3), "gemma3": (1, 256, 4)}  # KV heads, head dim, query rows per KV head
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bits", type=float, nargs="+", default=[2, 2.5, 3, 3.5, 4])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--out", default=str(RESULTS / "quant_kernel"))
+    ap.add_argument("--out", default=str(RESULTS / "quant" / "quant_kernel"))
     args = ap.parse_args(argv)
     if native.library() is None:
         sys.exit("the packed-code kernel is not available here (no C compiler, no AVX2, or KVSUM_NATIVE=0)")
@@ -82,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(measure(shape, T, bits, args.rounds))
                     print(rows[-1], flush=True)
     out = Path(args.out)
-    info = meta(None, " ".join(["python", *sys.argv]), threads=args.threads)
-    out.with_suffix(".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+    info = run_info(None, args.threads)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
     lines = [f"# Packed-code kernel, one layer's attention at one decoding step ({info['date']})", "",
-             f"command: {info['command']}", "",
+             info_line(info), "",
              "Scores + mix over T coded tokens (TurboQuant rotated path, one query token) through the kernel and "
              "through the PyTorch lookup path, beside exact fp32 attention over the same T tokens; medians of "
              f"{args.rounds - 2} interleaved rounds. Bytes: the coded state over the 16-bit keys and values.", "",
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"| {r['shape']} | {r['threads']} | {r['T']} | {r['bits']} | {r['coded_over_full_bytes']:.3f} | "
               f"{r['exact_ms']:.3f} | {r['kernel_ms']:.3f} | {r['lookup_ms']:.3f} | {r['kernel_over_exact']:.2f} | "
               f"{r['lookup_over_kernel']:.1f} |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_name(out.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

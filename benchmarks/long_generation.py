@@ -14,27 +14,26 @@ thousands of steps and that memory stays where it is configured:
 Per run: tokens per second, agreement with the full cache's tokens (first divergence, share equal),
 non-finite logits (must be 0), bytes right after compression and at the end against the full 16-bit
 cache of as many tokens, and the peak resident memory of the process. `--part` keeps locked runs short;
-rows merge into benchmarks/results/long_generation.{json,md}.
+rows merge into benchmarks/results/stability/long_generation.{json,md}.
 """
 
 from __future__ import annotations
 
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
-from common import arguments, start
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import kvsum
 from kvsum.budget import full_nbytes
-from kvsum.compress import ModelShape
 from kvsum.decoding import DecodingEviction
-from kvsum.eval.report import meta
 from kvsum.eval.text import haystack, join, sep_ids
+from kvsum.shape import ModelShape
+
+from .common import arguments, info_line, run_info, start
 
 CONFIGS = ["snapkv 0.25", "kivi 0.25, residual 32 (generated tokens quantized)",
            "snapkv 0.25 + decoding eviction (256 + 64 per head)"]
@@ -75,7 +74,7 @@ def row(name, tokens, seconds, bad, ref, cache=None, after=None, full_end=None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = arguments(__doc__, "long_generation", threads=2)
+    ap = arguments(__doc__, "stability/long_generation", threads=2)
     ap.add_argument("--part", choices=["exact", "compressed"], required=True)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new", type=int, default=2048)
@@ -126,14 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     js = out.with_name(out.name + ".json")
     old = json.loads(js.read_text()) if js.exists() else {"rows": [], "runs": []}
-    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads,
-                wall_s=round(time.perf_counter() - t0, 1), part=args.part, context=args.context, new=args.new)
+    info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1), part=args.part,
+                    context=args.context, new=args.new)
     mine = {r["config"] for r in rows}
-    data = {"rows": [r for r in old["rows"] if r["config"] not in mine] + rows,
-            "runs": [r for r in old["runs"] if r["command"] != info["command"]] + [info]}
+    runs = [r for r in old["runs"] if r["command"] != info["command"]] + [info]
+    data = {"meta": {**info, "command": None, "commands": [r["command"] for r in runs]},
+            "rows": [r for r in old["rows"] if r["config"] not in mine] + rows, "runs": runs}
     js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(data, indent=1) + "\n")
-    md = ["# Long generations", "", __doc__.split("\n\n")[0].splitlines()[0], "",
+    md = ["# Long generations", "", info_line(data["meta"]), "", __doc__.split("\n\n")[0].splitlines()[0], "",
           "| config | tok/s | non-finite steps | first divergence from full | equal to full | distinct tokens in "
           "last 512 | bytes after compression | bytes at end | / full 16-bit at end | peak RSS MiB |",
           "|---|---|---|---|---|---|---|---|---|---|"]

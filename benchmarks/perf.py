@@ -11,7 +11,8 @@ Parts (each one locked run of a few minutes; ratios always come from one run):
   memory    cache.nbytes() and the process's peak resident memory during compression, per method, at one
             length (VmHWM, reset before each compression; large buffers are mmapped so freed memory leaves RSS).
 
-Results: benchmarks/results/perf_<part>.{json,md}.
+Results: benchmarks/results/perf/perf_<part>.{json,md} (--out); decode and memory are benchmarks/perf_decode.py;
+the committed runs are named in benchmarks/experiments/other.py.
 """
 
 from __future__ import annotations
@@ -28,41 +29,15 @@ import numpy as np
 import torch
 
 import kvsum
-from kvsum.breakeven import prose_ids, step_times
+from kvsum.breakeven import prose_ids
 from kvsum.errors import KVSumError
-from kvsum.eval.report import meta
-from kvsum.methods.base import make_method, prefill_needs
+from kvsum.methods import make_method
 
-RESULTS = Path(__file__).parent / "results"
+from .experiments import RESULTS
+from .perf_decode import part_decode, part_memory
+from .perf_merge import needs, timed, write_merged
+
 METHODS = ["turboquant", "kivi", "summary", "summary+turboquant", "streaming_llm", "snapkv"]
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
-
-
-def _needs(name: str) -> dict:
-    return prefill_needs([make_method(name)])
-
-
-def _write(part: str, rows: list[dict], lines, args, merge_key=None, record: bool = True) -> None:
-    out = RESULTS / f"perf_{part}"
-    js = out.with_suffix(".json")
-    prev = json.loads(js.read_text()) if merge_key and js.exists() else {"meta": {}, "rows": []}
-    keys = {merge_key(r) for r in rows} if merge_key else set()
-    rows = [r for r in prev["rows"] if merge_key(r) not in keys] + rows
-    info = meta(args.model, " ".join(["python", *sys.argv]), threads=args.threads)
-    commands = prev["meta"].get("commands", [prev["meta"]["command"]] if "command" in prev["meta"] else [])
-    info["commands"] = [c for c in commands if c != info["command"]] + [info["command"]] if record else commands
-    if not record:
-        info = {**prev["meta"], "commands": commands}
-    js.write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
-    md = [f"# perf {part} ({info['date']}, {args.threads} threads, {args.model})", "", *lines(rows), "",
-          "Commands (rows merged by length): " + "; ".join(f"`{c}`" for c in info["commands"])]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
 
 
 # ---------------------------------------------------------------- short-context throughput
@@ -84,7 +59,7 @@ def part_short(model, tok, args) -> None:
                                     max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         for i in range(args.repeat):  # interleaved, order alternating: a noisy neighbour hits both alike
             for fn, out in ((run_full, full), (run_pol, pol))[:: 1 if i % 2 == 0 else -1]:
-                out.append(_timed(fn)[1])
+                out.append(timed(fn)[1])
         t_full, t_pol = min(full), min(pol)  # best of N: noise only ever adds time
         choice = policy.choose(L, model).method
         rows.append(dict(length=L, config="full", tokens_per_s=args.new_tokens / t_full, over_full=1.0))
@@ -95,7 +70,7 @@ def part_short(model, tok, args) -> None:
                 def run(name=name, ctx=ctx, ids=ids):
                     cache = kvsum.compress(model, ctx, method=name, budget=args.budget)
                     return model.generate(ids, past_key_values=cache, **gen)
-                _, t = _timed(run)
+                _, t = timed(run)
                 rows.append(dict(length=L, config=name, tokens_per_s=args.new_tokens / t, over_full=t_full / t))
             except KVSumError as e:
                 rows.append(dict(length=L, config=name, tokens_per_s=None, over_full=None, refused=str(e)))
@@ -121,7 +96,7 @@ def part_short(model, tok, args) -> None:
         out += ["", "Policy picks: " + ", ".join(f"{L}: {picks[L]}" for L in Ls if L in picks)]
         return out
 
-    _write("short", rows, lines, args, merge_key=lambda r: r["length"])
+    write_merged("short", rows, lines, args, merge_key=lambda r: r["length"])
 
 
 # ---------------------------------------------------------------- overhead and scaling
@@ -136,16 +111,16 @@ def part_overhead(model, tok, args, render: dict | None = None) -> None:
         kvsum.prefill(model, ids[:, :128])
         for L in args.lengths:
             ctx = ids[:, :L]
-            _, plain = _timed(lambda ctx=ctx: decoder(ctx, past_key_values=DynamicCache(), use_cache=True))
+            _, plain = timed(lambda ctx=ctx: decoder(ctx, past_key_values=DynamicCache(), use_cache=True))
             pres = {}
             for name in args.methods:
-                opts = _needs(name)
+                opts = needs(name)
                 key = tuple(sorted(opts))
                 if key not in pres:
-                    pres[key] = _timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, tokenizer=tok, **opts))
+                    pres[key] = timed(lambda ctx=ctx, opts=opts: kvsum.prefill(model, ctx, tokenizer=tok, **opts))
                 pre, t_pre = pres[key]
                 try:
-                    _, t_c = _timed(lambda pre=pre, name=name: kvsum.compress_prefill(pre, make_method(name),
+                    _, t_c = timed(lambda pre=pre, name=name: kvsum.compress_prefill(pre, make_method(name),
                                                                                       args.budget))
                 except KVSumError as e:
                     rows.append(dict(length=L, method=name, refused=str(e)))
@@ -185,141 +160,15 @@ def part_overhead(model, tok, args, render: dict | None = None) -> None:
                 "lengths measured (1 = linear)."]
         return out
 
-    _write("overhead", rows, lines, args, merge_key=lambda r: (r["length"], r["method"]), record=render is None)
+    write_merged("overhead", rows, lines, args, merge_key=lambda r: (r["length"], r["method"]), record=render is None)
 
 
-# ---------------------------------------------------------------- decode step vs length and budget
-@torch.no_grad()
-def part_decode(model, tok, args, render: dict | None = None) -> None:
-    rows = []
-    if render is None:
-        ids = prose_ids(tok, max(args.lengths))
-        token = ids[:, :1]
-        opts = {}
-        for name in args.methods:
-            opts.update(_needs(name))
-        for L in args.lengths:
-            pre = kvsum.prefill(model, ids[:, :L], tokenizer=tok, **opts)
-            budgets = args.budgets if L in args.budget_lengths else [args.budget]
-            caches = {("full", 1.0): kvsum.compress_prefill(pre, make_method("full"), 1.0)}
-            nbytes = {}
-            for name in args.methods:
-                for b in budgets:
-                    try:
-                        c = kvsum.compress_prefill(pre, make_method(name), b)
-                    except KVSumError:
-                        continue
-                    caches[(name, b)] = c
-                    nbytes[(name, b)] = c.nbytes() / c.reference_nbytes
-            del pre
-            steps = step_times(model, caches, token, args.rounds)
-            full = steps[("full", 1.0)]
-            for (name, b), s in steps.items():
-                rows.append(dict(length=L, method=name, budget=b, step_ms=s * 1000, over_full=s / full,
-                                 ratio=nbytes.get((name, b), 1.0)))
-            print([r for r in rows if r["length"] == L], flush=True)
-            del caches
-
-    def lines(rows):
-        Ls = sorted({r["length"] for r in rows})
-        out = [f"Median decode-step time (one token, {args.rounds} rounds, all caches of a length stepped "
-               "round-robin) over the full cache's at the same length.", "", f"## Against context length "
-               f"(budget {args.budget})", "", "| method | " + " | ".join(str(L) for L in Ls) + " |",
-               "|---|" + "---|" * len(Ls)]
-        by = {(r["length"], r["method"], r["budget"]): r for r in rows}
-        fl = " | ".join(f"{by[(L, 'full', 1.0)]['step_ms']:.1f} ms" for L in Ls)
-        out.append(f"| full | {fl} |")
-        for m in args.methods:
-            cells = [f"{by[(L, m, args.budget)]['over_full']:.3f}" if (L, m, args.budget) in by else "refused"
-                     for L in Ls]
-            out.append(f"| {m} | " + " | ".join(cells) + " |")
-        for L in Ls:
-            budgets = sorted({r["budget"] for r in rows if r["length"] == L and r["method"] != "full"}, reverse=True)
-            if len(budgets) < 2:
-                continue
-            out += ["", f"## Against the budget at {L} tokens (step / full step; bytes ratio in brackets)", "",
-                    "| method | " + " | ".join(str(b) for b in budgets) + " |",
-                    "|---|" + "---|" * len(budgets)]
-            for m in args.methods:
-                cells = [f"{by[(L, m, b)]['over_full']:.3f} ({by[(L, m, b)]['ratio']:.3f})" if (L, m, b) in by
-                         else "refused" for b in budgets]
-                out.append(f"| {m} | " + " | ".join(cells) + " |")
-        return out
-
-    _write("decode", rows, lines, args, merge_key=lambda r: (r["length"], r["method"], r["budget"]),
-           record=render is None)
-
-
-# ---------------------------------------------------------------- memory
-def _rss() -> tuple[int, int]:
-    """(current, peak) resident bytes of this process."""
-    status = Path("/proc/self/status").read_text()
-
-    def field(name):
-        return int(status.split(name + ":")[1].split()[0]) * 1024
-    return field("VmRSS"), field("VmHWM")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-@torch.no_grad()
-def part_memory(model, tok, args) -> None:
-    L = args.lengths[0]
-    ids = prose_ids(tok, L)
-    opts = {}
-    for name in args.methods:
-        opts.update(_needs(name))
-    _reset_peak()
-    before, _ = _rss()
-    pre = kvsum.prefill(model, ids, tokenizer=tok, **opts)
-    after, peak = _rss()
-    full_bytes = pre.cache.nbytes()
-    rows = [dict(method="(prefill)", length=L, cache_bytes=full_bytes, held_before=before, peak_extra=peak - before,
-                 over_full=(peak - before) / full_bytes)]
-    for name in args.methods:
-        _reset_peak()
-        base, _ = _rss()
-        try:
-            cache = kvsum.compress_prefill(pre, make_method(name), args.budget)
-        except KVSumError as e:
-            rows.append(dict(method=name, length=L, refused=str(e)))
-            continue
-        _, peak = _rss()
-        extra = peak - base  # over what was held before compressing (the model + the full cache)
-        rows.append(dict(method=name, length=L, budget=args.budget, cache_bytes=cache.nbytes(),
-                         ratio=cache.nbytes() / cache.reference_nbytes, peak_extra=extra,
-                         over_full=extra / full_bytes))
-        print(rows[-1], flush=True)
-        del cache
-
-    def lines(rows):
-        p = rows[0]
-        out = [f"At {L} tokens, budget {args.budget}. The full cache the prefill holds (model dtype): "
-               f"{p['cache_bytes'] / 2**20:.1f} MiB; the prefill itself peaked {p['peak_extra'] / 2**20:.1f} MiB "
-               "above what was resident before it (cache, activations, attention masks).", "",
-               "Peak extra: the process's peak resident memory during compress_prefill minus what was resident "
-               "just before (model + full cache); over full: that peak over the full cache's bytes "
-               "(the compressed cache itself is part of the peak).", "",
-               "| method | cache.nbytes() MiB | bytes ratio | peak extra MiB | peak extra / full cache |",
-               "|---|---|---|---|---|"]
-        for r in rows[1:]:
-            if "refused" in r:
-                out.append(f"| {r['method']} | refused | | | |")
-                continue
-            out.append(f"| {r['method']} | {r['cache_bytes'] / 2**20:.2f} | {r['ratio']:.3f} | "
-                       f"{r['peak_extra'] / 2**20:.1f} | {r['over_full']:.3f} |")
-        return out
-
-    _write("memory", rows, lines, args)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("part", choices=["short", "overhead", "decode", "memory"])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="output stem (default benchmarks/results/perf/perf_<part>)")
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--budget", type=float, default=0.25)
@@ -329,19 +178,20 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--render", action="store_true", help="only rewrite the markdown from the JSON (overhead, decode)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / "perf" / f"perf_{args.part}")
     default_lengths = dict(short=[64, 128, 256, 512], overhead=[1024, 2048, 4096], decode=[1024, 2048, 4096],
                            memory=[8192])
     args.lengths = args.lengths or default_lengths[args.part]
     if args.render:  # rewrite the markdown of merged results from their JSON (no measurement)
-        js = RESULTS / f"perf_{args.part}.json"
+        js = Path(args.out + ".json")
         data = json.loads(js.read_text())
         renderers = dict(overhead=part_overhead, decode=part_decode)
         renderers[args.part](None, None, args, render=data)
         return
     if args.part == "memory" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # glibc reads it at start: re-exec with it set
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+        os.execv(sys.executable, sys.orig_argv)
     torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model)
     t0 = time.perf_counter()

@@ -6,8 +6,8 @@ and reports the relative Frobenius error ||rebuilt - original|| / ||original|| o
 attention sees them) and of the values, per layer, plus the time of one decode-step attention read per layer.
 Retrieval and LM quality come from the eval harness (kvsum.eval).
 
-    python benchmarks/reconstruct.py                       # full run (minutes)
-    python benchmarks/reconstruct.py --layers 1 --tokens 512 --heldout 256 --out /tmp/smoke   # smoke
+    python -m benchmarks run reconstruct                   # full run (minutes)
+    python -m benchmarks.reconstruct --layers 1 --tokens 512 --heldout 256 --out /tmp/smoke   # smoke
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import torch
 import kvsum
 from kvsum.budget import full_nbytes
 from kvsum.calibrate import Artifact, calibrate, calibration_text, stdlib_modules
-from kvsum.methods.base import LayerInput, make_method
+from kvsum.methods import LayerInput, make_method
+
+from .common import info_line, run_info
+from .experiments import RESULTS
 
 CONFIGS = [  # (label, method, knobs)
     ("echokv", "echokv", {}),
@@ -74,7 +77,7 @@ def run_config(pre, method: str, knobs: dict, art: Artifact, budget: float, laye
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=4096, help="calibration tokens")
@@ -82,8 +85,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="only the first N layers (smoke runs)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--artifact", default=None, help="reuse this artifact (else calibrate, save under the kvsum cache)")
-    ap.add_argument("--out", default="benchmarks/results/reconstruct", help="writes OUT.json and OUT.md")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(RESULTS / "reconstruct" / "reconstruct"), help="writes OUT.json and OUT.md")
+    args = ap.parse_args(argv)
 
     from kvsum.eval import text as evtext
 
@@ -118,9 +121,10 @@ def main() -> None:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = dict(model=args.model, calibration=calib, heldout_tokens=args.heldout, layers=layers, results=results)
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    lines = [f"# Reconstruction: {args.model}", "",
+    payload = dict(meta=run_info(args.model, torch.get_num_threads()), model=args.model, calibration=calib,
+                   heldout_tokens=args.heldout, layers=layers, results=results)
+    out.with_name(out.name + ".json").write_text(json.dumps(payload, indent=1))
+    lines = [f"# Reconstruction: {args.model}", "", info_line(payload["meta"]), "",
              f"Calibration: {calib['seconds']} s on {calib['knobs']['tokens']} tokens of {calib['knobs']['text']}; "
              f"artifact {calib['nbytes'] / 1e6:.1f} MB of tensors ({calib['file_bytes'] / 1e6:.1f} MB file), "
              f"{calib['n_knobs']} calibration knobs, keys fitted as {calib['key_space']}.",
@@ -133,8 +137,8 @@ def main() -> None:
         lines.append(f"| {r['text']} | {r['label']} | {r['budget']:.2f} | {r['ratio']:.3f} | {r['k_err_mean']:.4f} | "
                      f"{max(r['k_err']):.4f} | {r['v_err_mean']:.4f} | {max(r['v_err']):.4f} | "
                      f"{r['attend_ms_mean']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    out.with_name(out.name + ".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}.json and {out}.md")
 
 
 if __name__ == "__main__":

@@ -50,16 +50,27 @@ class _Capture:
 
 
 class QueryCapture(_Capture):
-    """Collects, per layer, the post-RoPE queries at chosen prompt positions during a prefill."""
+    """Collects, per layer, the post-RoPE queries at chosen prompt positions during a prefill, which may run
+    in chunks: a call's queries are the last positions of its keys, and each chunk keeps its share."""
 
     def __init__(self, positions: Tensor):
         self.positions = positions
-        self.queries: dict[int, Tensor] = {}
+        self.parts: dict[int, list[Tensor]] = {}
 
     def add(self, layer_idx: int, query: Tensor, key: Tensor, scale: float) -> None:
-        if query.shape[2] < int(self.positions.max()) + 1:
-            raise KVSumError("query capture needs the whole prompt in one forward pass")
-        self.queries[layer_idx] = query[0, :, self.positions.to(query.device), :].float()
+        start = key.shape[2] - query.shape[2]
+        pos = self.positions.to(query.device)
+        pos = pos[(pos >= start) & (pos < key.shape[2])] - start
+        if pos.numel():
+            self.parts.setdefault(layer_idx, []).append(query[0, :, pos, :].float())
+
+    @property
+    def queries(self) -> dict[int, Tensor]:
+        """Per layer, the (Hq, n, d) queries at `positions` seen so far, in position order."""
+        got = {i: p[0] if len(p) == 1 else torch.cat(p, 1) for i, p in self.parts.items()}
+        if any(q.shape[1] != self.positions.numel() for q in got.values()):
+            raise KVSumError("query capture saw only part of the prompt: run the whole prompt, chunk after chunk")
+        return got
 
 
 class RepeatScorer(_Capture):

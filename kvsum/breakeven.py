@@ -18,8 +18,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
+from .compress import compress_prefill
 from .errors import KVSumError
+from .extras import progress as progress_bar
+from .methods import make_method, prefill_needs
+from .prefill import prefill
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
 DEFAULT_METHODS = ("turboquant", "kivi", "summary", "summary+turboquant", "streaming_llm", "snapkv")
@@ -83,29 +88,16 @@ def step_times(model, caches: dict, token: torch.Tensor, rounds: int) -> dict[st
     return {k: _median(v) for k, v in times.items()}
 
 
-def prose_ids(tokenizer, n: int, seed: int = 11) -> torch.Tensor:
-    """(1, n) token ids of real prose (the evaluation haystack text)."""
-    from .eval.text import haystack, join, sep_ids
-
-    return torch.tensor([join(haystack(tokenizer, n, seed), sep_ids(tokenizer))])
-
-
 @torch.no_grad()
-def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, new_tokens: int = 64,
-            budget: float = 0.25, rounds: int = 9, progress: bool = False, ids: torch.Tensor | None = None) -> dict:
+def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, *, ids: torch.Tensor,
+            new_tokens: int = 64, budget: float = 0.25, rounds: int = 9, progress: bool = False) -> dict:
     """The break-even table (see the module docstring) for `methods` at `budget` over `lengths`; the contexts
-    are prefixes of `ids` (default: real prose through `tokenizer`)."""
-    from transformers import DynamicCache
-
-    from .compress import compress_prefill, prefill
-    from .methods.base import make_method, prefill_needs
-
+    are prefixes of `ids` (1, >= max(lengths)), e.g. real prose from kvsum.eval.text.prose_ids."""
     made = {name: make_method(name) for name in methods}  # unknown names fail before any timing
     needs = {name: tuple(sorted(prefill_needs([m]))) for name, m in made.items()}  # the prefill each one asks for
     if new_tokens < 1:
         raise KVSumError(f"new_tokens must be >= 1, got {new_tokens}")
     lengths = sorted(int(n) for n in lengths)
-    ids = prose_ids(tokenizer, lengths[-1]) if ids is None else ids
     if ids.shape[-1] < lengths[-1]:
         raise KVSumError(f"lengths up to {lengths[-1]} need that many tokens, got {ids.shape[-1]}")
     token = ids[:, :1]
@@ -113,8 +105,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
     prefill(model, ids[:, :128])  # warm-up (also switches the model to kvsum's attention)
     rows = {name: dict(prefill_s=[], compress_s=[], step_s=[], ratio=[]) for name in methods}
     full = dict(prefill_s=[], step_s=[])
-    bar = _bar(progress, len(lengths) * (len(methods) + 2))
-    try:
+    with progress_bar("break-even", len(lengths) * (len(methods) + 2), enabled=progress) as bar:
         for T in lengths:
             ctx = ids[:, :T]
             repeat = 2 if T <= 1024 else 1
@@ -125,7 +116,7 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
                 if opts not in pres:
                     pres[opts], pre_s[opts] = _timed(lambda c=ctx, o=opts: prefill(model, c, tokenizer=tokenizer,
                                                                                    **dict.fromkeys(o, True)))
-            _advance(bar, f"prefill {T}")
+            bar.advance(f"prefill {T}")
             base = pres[()] if () in pres else prefill(model, ctx)
             caches = {"full": compress_prefill(base, make_method("full"), 1.0)}
             comp = {}
@@ -138,9 +129,9 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
                     comp[name] = None
                     rows[name].setdefault("refused", {})[str(T)] = str(e)
                 rows[name]["compress_s"].append(comp[name])
-                _advance(bar, f"compress {name} {T}")
+                bar.advance(f"compress {name} {T}")
             steps = step_times(model, caches, token, rounds)
-            _advance(bar, f"decode steps {T}")
+            bar.advance(f"decode steps {T}")
             full["prefill_s"].append(plain)
             full["step_s"].append(steps["full"])
             total_full = plain + new_tokens * steps["full"]
@@ -153,28 +144,10 @@ def measure(model, tokenizer, methods=DEFAULT_METHODS, lengths=DEFAULT_LENGTHS, 
                 r["step_s"].append(steps[name])
                 r["ratio"].append((r["prefill_s"][-1] + r["compress_s"][-1] + new_tokens * steps[name]) / total_full)
             del caches, pres, base
-    finally:
-        if bar is not None:
-            bar[0].stop()
     for r in rows.values():
         r["breakeven"] = crossing(lengths, r["ratio"])
     return dict(lengths=lengths, new_tokens=new_tokens, budget=budget, rounds=rounds,
                 threads=torch.get_num_threads(), full=full, methods=rows)
-
-
-def _bar(on: bool, total: int):
-    if not on:
-        return None
-    from rich.progress import Progress
-
-    p = Progress()
-    p.start()
-    return p, p.add_task("break-even", total=total)
-
-
-def _advance(bar, what: str) -> None:
-    if bar is not None:
-        bar[0].update(bar[1], advance=1, description=what)
 
 
 def markdown(table: dict) -> str:

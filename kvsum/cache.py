@@ -22,8 +22,11 @@ import transformers
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention import hand_over
+from .budget import full_nbytes
 from .errors import KVSumError
-from .state import LayerState, tensor_bytes
+from .state import BatchState, LayerState, tensor_bytes
+
+REFERENCES = ("reference_nbytes", "budget_reference_nbytes", "model_reference_nbytes")  # see Cache
 
 
 class Stream(Protocol):
@@ -43,38 +46,10 @@ class Stream(Protocol):
     def observe(self, query: torch.Tensor) -> None: ...
 
 
-class BatchState:
-    """One compressed state per sequence of a batch; each was compressed alone, so lengths are ragged
-    across sequences (and heads) and held for real. Attention loops over the sequences."""
-
-    per_sequence = True
-
-    def __init__(self, states: list[LayerState]):
-        self.states = list(states)
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def nbytes(self) -> int:
-        # a state repeated for beams or samples is one object, held once
-        return sum(s.nbytes() for s in {id(s): s for s in self.states}.values())
-
-    def lengths(self) -> list[int]:
-        """Entries held per KV head, summed over the sequences."""
-        return [sum(n) for n in zip(*(s.lengths() for s in self.states))]
-
-    def select(self, index) -> BatchState:
-        return BatchState([self.states[int(i)] for i in index])
-
-
 def _check_batch(layer, key_states: torch.Tensor) -> None:
     if layer.is_initialized and layer.keys.dim() == 4 and layer.keys.shape[0] != key_states.shape[0]:
         raise KVSumError(f"the cache holds {layer.keys.shape[0]} sequence(s), the model input {key_states.shape[0]}; "
                          "compress the whole batch with kvsum.compress(model, ids, attention_mask=...)")
-
-
-def _as_batch(state) -> BatchState:
-    return state if isinstance(state, BatchState) else BatchState([state])
 
 
 class KVSumLayer(DynamicLayer):
@@ -136,18 +111,18 @@ class KVSumLayer(DynamicLayer):
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
         if self.state is not None:
-            self.state, self.stream = _as_batch(self.state).select(beam_idx.tolist()), None
+            self.state, self.stream = BatchState.of(self.state).select(beam_idx.tolist()), None
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
         if self.state is not None:
-            self.state = BatchState([s for s in _as_batch(self.state).states for _ in range(repeats)])
+            self.state = BatchState([s for s in BatchState.of(self.state).states for _ in range(repeats)])
             self.stream = None
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
         if self.state is not None:
-            self.state, self.stream = _as_batch(self.state).select(torch.as_tensor(indices).tolist()), None
+            self.state, self.stream = BatchState.of(self.state).select(torch.as_tensor(indices).tolist()), None
 
 
 class KVSumSlidingLayer(DynamicSlidingWindowLayer):
@@ -188,11 +163,19 @@ class Cache(transformers.Cache):
     """A transformers Cache of `KVSumLayer`s; pass it to `model.generate(..., past_key_values=cache)`.
 
     `windows[i]` is the sliding window of layer i, or None for a global layer (the only kind compressed).
-    Bytes: `nbytes()` counts every tensor held, sliding layers included; `reference_nbytes` is the full
-    cache of the prompt at 16 bits per element as transformers would hold it (sliding layers at their
-    window); the budget is a fraction of `budget_reference_nbytes`, the same for the global layers alone
-    (equal to `reference_nbytes` on models without sliding layers), and `budget_nbytes()` is what those
-    layers hold. With a batch, all of these are summed over its sequences.
+    `nbytes()` counts every tensor held, sliding layers included; `budget_nbytes()` what the global layers
+    hold. The references it is measured against (summed over a batch's sequences), all of the prompt's full
+    cache as transformers would hold it, sliding layers at their window:
+
+    Attributes:
+        reference_nbytes: the full cache at 16 bits per element, whatever the model's dtype (the reference
+            of every budget and `ratio()` in kvsum).
+        budget_reference_nbytes: the same for the global layers alone (what `budget` is a fraction of;
+            equal to `reference_nbytes` on models without sliding layers).
+        model_reference_nbytes: the full cache in the model's own dtype (twice `reference_nbytes` for a
+            float32 model): what the model would hold without kvsum.
+        method: name of the method that compressed the cache ("full" if none).
+        budget: the budget it was compressed at.
     """
 
     def __init__(self, num_layers: int, windows: list[int | None] | None = None):
@@ -202,10 +185,14 @@ class Cache(transformers.Cache):
         super().__init__(layers=[KVSumLayer() if w is None else KVSumSlidingLayer(sliding_window=w)
                                  for w in windows])
         self.windows = list(windows)
-        self.reference_nbytes = 0
-        self.budget_reference_nbytes = 0
+        self.reference_nbytes = self.budget_reference_nbytes = self.model_reference_nbytes = 0
         self.method = "full"
         self.budget = 1.0
+
+    def copy_references(self, other: Cache) -> None:
+        """Take `other`'s reference byte counts (those of the same prompt)."""
+        for name in REFERENCES:
+            setattr(self, name, getattr(other, name))
 
     @property
     def batch_size(self) -> int:
@@ -247,26 +234,28 @@ class Cache(transformers.Cache):
         return self.nbytes() - self.budget_nbytes()
 
     def ratio(self) -> float:
-        """nbytes() over the full 16-bit cache of the compressed prompt."""
+        """nbytes() over `reference_nbytes`, the full cache of the prompt at 16 bits per element
+        (nbytes() / model_reference_nbytes is the same against the model's own dtype)."""
         return self.nbytes() / self.reference_nbytes if self.reference_nbytes else float("nan")
 
     def stats(self) -> list[dict]:
-        """Per layer and KV head: entries held, bytes, ratio to the full fp16 cache of the tokens seen
-        (summed over a batch's sequences; `sliding` marks transformers' window layers)."""
+        """Per layer and KV head: entries held, bytes, ratio to the full 16-bit cache of the tokens seen
+        (summed over a batch's sequences; `sliding` marks transformers' window layers; `note` says what the
+        method degraded to fit the budget, e.g. a lighter rotation, "" when nothing)."""
         rows = []
         for i, layer in enumerate(self.layers):
             lengths = layer.lengths()
             if not lengths:
                 continue
             seen, d = layer.get_seq_length(), layer.keys.shape[-1]
-            head_full = 2 * seen * d * 2 * layer.keys.shape[0]
-            layer_bytes = layer.nbytes()
+            head_full = full_nbytes(1, layer.keys.shape[0], d, seen)  # one head, all sequences
+            layer_bytes, note = layer.nbytes(), getattr(getattr(layer, "state", None), "note", "") or ""
             total = sum(lengths) or 1
             for h, n in enumerate(lengths):
                 share = layer_bytes * n / total  # a layer's bytes split over its heads by entries held
                 rows.append(dict(layer=i, head=h, entries=n, tokens_seen=seen, bytes=round(share),
                                  ratio=share / head_full if head_full else float("nan"),
-                                 sliding=isinstance(layer, KVSumSlidingLayer)))
+                                 sliding=isinstance(layer, KVSumSlidingLayer), note=note))
         return rows
 
     @classmethod
@@ -295,7 +284,7 @@ class Cache(transformers.Cache):
                 states = [s.state for s in src]
                 state = states[0] if len(states) == 1 else BatchState(states)
                 dst.set_state(state, length, torch.cat([s.keys for s in src]))
-        for name in ("reference_nbytes", "budget_reference_nbytes"):
+        for name in REFERENCES:
             setattr(out, name, sum(getattr(c, name) for c in caches))
         out.method, out.budget = first.method, first.budget
         return out

@@ -31,11 +31,11 @@ from torch import Tensor
 
 from .budget import check_storage
 from .cache import KVSumLayer
-from .compress import ModelShape
 from .errors import KVSumError
 from .methods import REGISTRY, LayerInput, make_method
 from .methods.evict.allocation import pyramid_budgets, select
 from .methods.evict.scoring import Eviction
+from .shape import ModelShape
 from .state import EntryState
 
 _PAD = torch.iinfo(torch.int64).max  # position of a padding slot: newer than every query, so never seen

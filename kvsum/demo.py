@@ -1,24 +1,31 @@
 """`kvsum demo`: a long real document with a few facts in it, compressed, then asked about them.
 
-The document is compressed before any question is seen (the query-agnostic setting a server meets);
-every question is then answered once from the full cache and once from the compressed one.
+The document is compressed before any question is seen (the query-agnostic setting a server meets): once
+into the full cache and once under the method. `generate()` grows the cache it is given, so every question
+is answered from a copy of the compressed cache (copy.deepcopy: the same answer as a fresh compression).
 """
 
 from __future__ import annotations
 
+import copy
 import random
+import re
 import time
 
 import torch
 
-from .compress import compress_prefill, prefill
+from .compress import compress_prefill
 from .eval.tasks import _tensor, _with_needles
 from .eval.text import SEP, encode
+from .extras import progress as progress_bar
 from .methods import make_method
+from .prefill import prefill
+from .spec import Spec, format_spec, parse_spec
 
-# The flagship at budget 0.25 (benchmarks/results/summary_cover_quarter.md): exact anchors by surprisal (at 0.25
+# The flagship at budget 0.25 (benchmarks/results/summary/summary_cover_quarter.md): exact anchors by surprisal (at 0.25
 # little more than the sinks and the recent window), every other token as 3.5-bit TurboQuant codes, keys centered.
-DEFAULT_METHOD, DEFAULT_KNOBS = "summary", {"cover_bits": 3.5, "cover_center": True, "score": "surprisal"}
+DEFAULT_METHOD, DEFAULT_KNOBS = "summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}),
+                                            "score": "surprisal"}
 
 
 def _document(tok, tokens: int, seed: int = 7):
@@ -33,36 +40,55 @@ def _document(tok, tokens: int, seed: int = 7):
     return _tensor(ids), cues
 
 
-def _answer(model, tok, pre, method, budget, ctx, cue):
+def right(answer: str, expected: str) -> bool:
+    """The answer's first number is the expected one."""
+    first = re.search(r"\d+", answer)
+    return first is not None and first.group() == expected
+
+
+def one_line(text: str) -> str:
+    """`text` on one line: surrounding blanks cut, inner newlines written as \\n."""
+    return text.strip().replace("\r", "").replace("\n", "\\n")
+
+
+def _answer(model, tok, cache, ctx, cue) -> tuple[str, float]:
     q = _tensor(encode(tok, SEP + cue))
-    cache = compress_prefill(pre, method, budget)
-    held = cache.nbytes()
     t = time.perf_counter()
     out = model.generate(torch.cat([ctx, q], -1), cache=cache, max_new_tokens=8, do_sample=False)
-    seconds = time.perf_counter() - t  # the answer alone: compression is timed once, above
-    return tok.decode(out[0, ctx.shape[1] + q.shape[1]:], skip_special_tokens=True).strip(), held, seconds
+    seconds = time.perf_counter() - t  # the answer alone: compression is timed once, before
+    return tok.decode(out[0, ctx.shape[1] + q.shape[1]:], skip_special_tokens=True).strip(), seconds
 
 
-def run_demo(model, tok, method: str | None = None, budget: float = 0.25, tokens: int = 2000, console=None) -> dict:
-    knobs = DEFAULT_KNOBS if method is None else {}
-    method = method or DEFAULT_METHOD
-    m, full = make_method(method, **knobs), make_method("full")
+def run_demo(model, tok, method: str | Spec | None = None, budget: float = 0.25, tokens: int = 2000,
+             progress: bool = True) -> dict:
+    """Prefill the document, compress it once per cache (full, and `method` at `budget`), answer each question
+    from a copy of each. `method`: a spec string ("summary:score=surprisal") or Spec; None: the flagship."""
+    spec = Spec(DEFAULT_METHOD, DEFAULT_KNOBS) if method is None else (
+        method if isinstance(method, Spec) else parse_spec(method))
+    m, full = make_method(spec.name, **spec.knobs), make_method("full")
     ctx, cues = _document(tok, tokens)
-    t = time.perf_counter()
-    pre = prefill(model, ctx, tokenizer=tok, **m.prefill_options())
-    prefill_s = time.perf_counter() - t
-    t = time.perf_counter()
-    compress_prefill(pre, m, budget)
-    compress_s = time.perf_counter() - t
-    answers, times = [], {"full": 0.0, "compressed": 0.0}
-    for cue, expected in cues:
-        row = {"cue": cue, "expected": expected}
-        for label, mm, b in (("full", full, 1.0), ("compressed", m, budget)):
-            row[label], held, seconds = _answer(model, tok, pre, mm, b, ctx, cue)
-            times[label] += seconds
-            row[label + "_bytes"] = held
-        answers.append(row)
-    label = method + (f"({', '.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else "")
-    return dict(method=label, tokens=ctx.shape[1], full16_bytes=pre.cache.reference_nbytes,
-                full_bytes=answers[0]["full_bytes"], bytes=answers[0]["compressed_bytes"], prefill_s=prefill_s,
-                compress_s=compress_s, answers=answers, full_answer_s=times["full"], answer_s=times["compressed"])
+    with progress_bar("prefill", 3 + 2 * len(cues), enabled=progress, transient=True) as bar:
+        t = time.perf_counter()
+        pre = prefill(model, ctx, tokenizer=tok, **m.prefill_options())
+        prefill_s = time.perf_counter() - t
+        bar.advance(f"compressing with {spec.name}")
+        t = time.perf_counter()
+        caches = {"compressed": compress_prefill(pre, m, budget)}
+        compress_s = time.perf_counter() - t
+        bar.advance("building the full cache")
+        caches["full"] = compress_prefill(pre, full, 1.0)
+        held = {label: c.nbytes() for label, c in caches.items()}
+        bar.advance()
+        answers, times = [], {"full": 0.0, "compressed": 0.0}
+        for i, (cue, expected) in enumerate(cues):
+            row = {"cue": cue, "expected": expected}
+            for label in ("full", "compressed"):
+                bar.update(f"question {i + 1}/{len(cues)} from the {label} cache")
+                row[label], seconds = _answer(model, tok, copy.deepcopy(caches[label]), ctx, cue)
+                row[label + "_right"] = right(row[label], expected)
+                times[label] += seconds
+                bar.advance()
+            answers.append(row)
+    return dict(method=format_spec(spec), tokens=ctx.shape[1], full16_bytes=pre.cache.reference_nbytes,
+                full_bytes=held["full"], bytes=held["compressed"], prefill_s=prefill_s, compress_s=compress_s,
+                answers=answers, full_answer_s=times["full"], answer_s=times["compressed"])

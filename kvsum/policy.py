@@ -25,7 +25,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from transformers import DynamicCache
+
+from .breakeven import crossing, load
+from .compress import compress
 from .errors import KVSumError
+from .prefill import check_ids
+from .shape import ModelShape
 
 # extra total time over the full cache the middle (quantized) range may take before the long range takes over
 LATENCY = {"fast": 0.0, "balanced": 0.5, "memory": None}
@@ -72,8 +79,6 @@ class Policy:
     table: dict | str | Path | None = None
 
     def __post_init__(self):
-        from .breakeven import load
-
         if self.latency not in LATENCY:
             raise KVSumError(f"latency={self.latency!r}; accepted: {', '.join(LATENCY)}")
         self._check_memory(self.memory)
@@ -91,8 +96,6 @@ class Policy:
 
     def thresholds(self, latency: str | None = None) -> dict:
         """{"compress_from": tokens or None (never), "long_from": tokens or None} for a latency preference."""
-        from .breakeven import crossing
-
         latency = latency or self.latency
         Ls, rows = self.table["lengths"], self.table["methods"]
 
@@ -143,15 +146,11 @@ class Policy:
             return None if memory is None else float(memory)
         if model is None:
             raise KVSumError("a memory budget in bytes needs the model (choose(context_len, model=...))")
-        from .compress import ModelShape
-
         _, glob = ModelShape.of(model).reference_nbytes(context_len)
         return float(memory) / glob if glob else 1.0
 
     def compress(self, model, input_ids, memory=None, latency: str | None = None, **kwargs):
         """kvsum.compress with the method and budget this policy picks for `input_ids`; `cache.decision` says why."""
-        from .compress import check_ids, compress
-
         ids = check_ids(model, input_ids)
         d = self.choose(ids.shape[-1], model, memory, latency)
         cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
@@ -167,10 +166,6 @@ def generate(model, tokenizer, context, question: str = "", policy: Policy | Non
     prefill, no extra work); otherwise the context is compressed first and the question read on top of it.
     Returns the generated text, or (text, cache) with `return_cache` (the cache's `decision` says why).
     """
-    import torch
-
-    from .compress import check_ids
-
     policy = policy if policy is not None else Policy()
     ctx = context if isinstance(context, torch.Tensor) else tokenizer(context, return_tensors="pt").input_ids
     device = next(model.parameters()).device
@@ -184,8 +179,6 @@ def generate(model, tokenizer, context, question: str = "", policy: Policy | Non
     if d.method == "full":
         cache = None
         if return_cache:
-            from transformers import DynamicCache
-
             cache = gen["past_key_values"] = DynamicCache()
         out = model.generate(ids, **gen)
     else:

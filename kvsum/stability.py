@@ -15,8 +15,8 @@ Two comparisons per precision (fp32, bf16, fp16; the fp32 model converted with `
    full-cache tokens, KL(full || method) and top-1 agreement. A method row close to the floor row means the
    method adds nothing beyond rounding; far above it is what compression costs.
 
-Every (precision, prompt, part) result is cached as JSON, so a run cut short by `deadline` resumes.
-fp16 matrix products are ~10x slower than fp32 on CPU, so fp16 runs dominate the cost.
+Every (precision, prompt, part) result is cached as JSON, so a run cut short by `deadline` resumes; fp16
+matrix products are much slower than fp32 on CPU, so fp16 runs dominate the cost.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from .compress import compress_prefill, prefill
+from .compress import compress_prefill
 from .errors import KVSumError
+from .extras import progress as progress_bar
 from .methods import make_method, prefill_needs
-from .report.specs import Store
+from .prefill import prefill
+from .report.specs import Store, label
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,8 +72,6 @@ def prompt_ids(tokenizer, settings: Settings) -> list[Tensor]:
     return [task.example(tokenizer, settings.prompt_tokens, example_seed(settings.seed, i)).context_ids
             for i in range(settings.prompts)]
 
-
-# --- generation and teacher forcing -------------------------------------------------------------------------
 
 def _last(out) -> tuple[Tensor, Tensor | None]:
     """Logits (V,) in fp32 and hidden states (L+1, D) in fp32 of the last position."""
@@ -139,9 +139,9 @@ def kl_top1(ref: Tensor, other: Tensor) -> dict:
 def cache_off_onepass(model, ids: Tensor, tokens: list[int]) -> tuple[list[int], Tensor, Tensor]:
     """Cache-off logits and hidden states for every step at once: one forward over the prompt and `tokens[:-1]`.
 
-    Each position still sees only its prefix (causal attention), computed without a cache, but in one batched
-    pass rather than one pass per step; the argmax at each position is what cache-off greedy decoding would pick
-    after that prefix. n passes cost n times as much, which fp16 on CPU (~10x slower matmuls) cannot afford.
+    Each position still sees only its prefix (causal attention), computed without a cache, in one batched pass
+    instead of one per step (which fp16 on CPU cannot afford); the argmax at each position is what cache-off
+    greedy decoding would pick after that prefix.
     """
     seq = torch.cat([ids, ids.new_tensor([tokens[:-1]])], -1)
     out = model(seq, use_cache=False, output_hidden_states=True)
@@ -191,8 +191,6 @@ def _full_ref(model, pre, ids: Tensor, n: int) -> dict:
     return dict(tokens=toks, logits=logits.tolist())
 
 
-# --- the audit ----------------------------------------------------------------------------------------------
-
 def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=None, deadline: float | None = None,
         progress: bool = True, threads: int | None = None, prompts: list[Tensor] | None = None) -> dict:
     """Run (or resume) the audit; returns {"settings", "floor", "methods", "complete", ...}.
@@ -201,8 +199,6 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
     Units not started before `deadline` (time.time()) are left for the next run: "complete" says whether any are.
     `prompts`: token ids (1, T) to use instead of the prose prompts (tests on tiny models).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     settings.check()
     if load is None:
         def load(dtype):
@@ -217,24 +213,24 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
     floor, methods, errors = {}, {}, {}
     complete = True
     units = sum(settings.n_prompts(dt) for dt in settings.dtypes) * (1 + len(specs))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not progress) as bar:
-        job = bar.add_task("stability", total=units)
+    names = [name for name, _ in specs]
+    with progress_bar("stability", units, enabled=progress) as bar:
         for dt in settings.dtypes:
             model = tok = None
             for i in range(settings.n_prompts(dt)):
                 pre = ids = ref = None
                 todo = [("floor", None, {})] + [("method", name, knobs) for name, knobs in specs]
                 for part, name, knobs in todo:
+                    shown = name if names.count(name) < 2 else label(name, knobs)  # variants: by spec
                     fields = dict(base, dtype=dt, prompt=i, part=part, method=name, knobs=knobs,
                                   **({"onepass": True} if part == "floor" and dt in settings.onepass else {}),
                                   budget=settings.budget if part == "method" else None)
-                    bar.update(job, description=f"{dt} prompt {i} {name or 'cache on/off'}")
+                    bar.update(f"{dt} prompt {i} {shown or 'cache on/off'}")
                     res = store.get(fields)
                     if res is None:
                         if deadline is not None and time.time() > deadline:
                             complete = False
-                            bar.advance(job)
+                            bar.advance()
                             continue
                         if model is None:
                             model, tok = load(dt)
@@ -261,14 +257,14 @@ def run(settings: Settings, specs: list[tuple[str, dict]], store: Store, load=No
                             res["seconds"] = time.perf_counter() - t0
                             store.put(fields, res)
                     if "error" in res:
-                        errors.setdefault(dt, {})[name or "floor"] = res["error"]
-                        bar.advance(job)
+                        errors.setdefault(dt, {})[shown or "floor"] = res["error"]
+                        bar.advance()
                         continue
                     if part == "floor":
                         floor.setdefault(dt, []).append(res)
                     else:
-                        methods.setdefault(dt, {}).setdefault(name, []).append(res)
-                    bar.advance(job)
+                        methods.setdefault(dt, {}).setdefault(shown, []).append(res)
+                    bar.advance()
             del model
     return dict(settings=asdict(settings), floor=floor, methods=methods, errors=errors, complete=complete,
                 summary=summarize(floor, methods, settings))
@@ -302,62 +298,3 @@ def summarize(floor: dict, methods: dict, settings: Settings) -> dict:
             row["ratio"] = sum(r["ratio"] for r in recs) / len(recs)
             out[dt]["methods"][name] = row
     return out
-
-
-def _f(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def markdown(result: dict) -> str:
-    s = result["settings"]
-    fewer = ", ".join(f"{d}: {v}" for d, v in s.get("dtype_prompts", {}).items() if v < s["prompts"])
-    parts = [f"# Numerical stability: {s['model']}", "",
-             f"{s['prompts']} prose prompts" + (f" ({fewer})" if fewer else "") +
-             f" of {s['prompt_tokens']} tokens, {s['new_tokens']} greedy tokens; "
-             f"methods at budget {s['budget']} (entries stored in fp16). "
-             + ("" if result["complete"] else "**Incomplete: run the same command again to finish.** "), "",
-             "Precision floor: cache-on (DynamicCache) vs cache-off (full recomputation every step). "
-             "diverged: prompts whose two greedy generations differ; first: earliest differing position; "
-             "mismatch: fraction of generated positions that differ. KL / top-1: teacher-forced on the cache-off "
-             "tokens over the decode steps. vs fp32: cache-on generation of this precision against fp32's."
-             + (f" **{', '.join(s.get('onepass', []))}: cache-off in one teacher-forced pass** over the cache-on "
-                "generation (each position sees only its prefix, computed without a cache; one pass instead of one "
-                "per step, which fp16 matmuls on CPU, ~10x slower than fp32, make unaffordable): there diverged, "
-                "first and mismatch count positions whose cache-off argmax after the same prefix differs."
-                if s.get("onepass") else ""), ""]
-    head = "| precision | diverged | first | mismatch | KL (nats) | top-1 % | max logit diff | " \
-           "hidden rel. err (mean / last layer) | vs fp32 mismatch |"
-    lines = [head, "|" + "---|" * 9]
-    for dt, v in result["summary"].items():
-        r = v["floor"]
-        if r is None:
-            continue
-        hr = r["hidden_rel"]
-        lines.append(f"| {dt} | {r['diverged']}/{r['n']} | {_f(r['first'], 'd')} | {r['rate']:.3f} | {r['kl']:.2e} | "
-                     f"{r['top1']:.1f} | {r['logit_maxdiff']:.3g} | {sum(hr) / len(hr):.2e} / {hr[-1]:.2e} | "
-                     f"{_f(r.get('vs_fp32_rate'))} |")
-    parts += [*lines, "", "Per-layer relative error of the last position's hidden state, cache on vs off "
-              "(mean over prompts and decode steps), every 5th layer:", ""]
-    floors = {dt: v["floor"] for dt, v in result["summary"].items() if v["floor"]}
-    if floors:
-        n_l = len(next(iter(floors.values()))["hidden_rel"])
-        idx = sorted(set(list(range(0, n_l, 5)) + [n_l - 1]))
-        parts += ["| precision | " + " | ".join(f"L{j}" for j in idx) + " |", "|---|" + "---|" * len(idx)]
-        parts += [f"| {dt} | " + " | ".join(f"{r['hidden_rel'][j]:.1e}" for j in idx) + " |"
-                  for dt, r in floors.items()]
-    parts += ["", f"Compression against the full kvsum cache of the same precision (budget {s['budget']}); "
-              "the floor row repeats cache on vs off for scale.", ""]
-    lines = ["| precision | method | bytes ratio | diverged | first | mismatch | KL (nats) | top-1 % |",
-             "|" + "---|" * 8]
-    for dt, v in result["summary"].items():
-        r = v["floor"]
-        if r:
-            lines.append(f"| {dt} | *floor: cache on vs off* | 1 | {r['diverged']}/{r['n']} | {_f(r['first'], 'd')} | "
-                         f"{r['rate']:.3f} | {r['kl']:.2e} | {r['top1']:.1f} |")
-        for name, m in sorted(v["methods"].items(), key=lambda kv: kv[1]["kl"]):
-            lines.append(f"| {dt} | {name} | {m['ratio']:.3f} | {m['diverged']}/{m['n']} | {_f(m['first'], 'd')} | "
-                         f"{m['rate']:.3f} | {m['kl']:.2e} | {m['top1']:.1f} |")
-    parts += lines
-    if result["errors"]:
-        parts += ["", "Errors:", ""] + [f"- {dt} {k}: {e}" for dt, d in result["errors"].items() for k, e in d.items()]
-    return "\n".join(parts) + "\n"

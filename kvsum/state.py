@@ -99,8 +99,8 @@ class EntryState:
 
     def _masked(self) -> bool:
         """Whether ragged heads are read in one masked matmul (H times the products, a few operations) rather
-        than one matmul per head (about ten small operations a head): the former is faster up to about a
-        thousand entries in all (a decoding step over SmolLM2's summary anchors), the latter beyond."""
+        than one matmul per head (about ten small operations a head): the former wins on few entries in all,
+        the latter on many (MASKED_MAX is the crossover)."""
         return self.keys.shape[0] <= MASKED_MAX
 
     def _foreign(self) -> Tensor:
@@ -144,3 +144,42 @@ class ConcatState:
 
     def lengths(self) -> list[int]:
         return [sum(n) for n in zip(*(p.lengths() for p in self.parts))]
+
+    @property
+    def note(self) -> str:
+        """What the state or any part degraded to fit its budget ("" when nothing was)."""
+        notes = [getattr(self, "_note", ""), *(getattr(p, "note", "") for p in self.parts)]
+        return "; ".join(dict.fromkeys(n for n in notes if n))
+
+    @note.setter
+    def note(self, value: str) -> None:
+        self._note = value
+
+
+class BatchState:
+    """One compressed state per sequence of a batch; each was compressed alone, so lengths are ragged
+    across sequences (and heads) and held for real. Attention loops over the sequences."""
+
+    per_sequence = True
+
+    def __init__(self, states: list[LayerState]):
+        self.states = list(states)
+
+    @classmethod
+    def of(cls, state) -> BatchState:
+        """`state` as a BatchState (a single sequence's state becomes a batch of one)."""
+        return state if isinstance(state, BatchState) else cls([state])
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def nbytes(self) -> int:
+        # a state repeated for beams or samples is one object, held once
+        return sum(s.nbytes() for s in {id(s): s for s in self.states}.values())
+
+    def lengths(self) -> list[int]:
+        """Entries held per KV head, summed over the sequences."""
+        return [sum(n) for n in zip(*(s.lengths() for s in self.states))]
+
+    def select(self, index) -> BatchState:
+        return BatchState([self.states[int(i)] for i in index])

@@ -1,119 +1,19 @@
+"""kvsum/cache.py: the full cache is transformers' own, logical lengths, decoding over a compressed state, streams,
+beams, byte references."""
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 import kvsum
-from kvsum.attention import joint_attention
-from kvsum.methods.base import make_method
-from kvsum.state import EntryState
-
-from .conftest import assert_full_is_dynamic_cache, greedy_logits, tiny_llama
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_full_is_bit_identical_to_dynamic_cache_tiny(attn, ids):
-    assert_full_is_dynamic_cache(tiny_llama(attn), ids, ids[:, :7])
-
-
-@pytest.mark.model
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_full_is_bit_identical_to_dynamic_cache_smollm2(attn, smollm2):
-    model, tok = smollm2
-    ctx = tok("Bit for bit: the uncompressed path is transformers' own cache. " * 30, return_tensors="pt").input_ids
-    q = tok(" In short,", return_tensors="pt").input_ids
-    model.set_attn_implementation("kvsum_" + attn)
-    try:
-        assert_full_is_dynamic_cache(model, ctx, q)
-    finally:
-        model.set_attn_implementation("kvsum_sdpa")
-
-
-def _naive(state_k, state_v, state_b, q, k, v, mask, scale):
-    """Reference: concatenate [state | tail] per KV head and run a plain softmax with an additive mask."""
-    G = q.shape[1] // k.shape[1]
-    outs = []
-    for j in range(q.shape[1]):
-        h = j // G
-        keys = torch.cat([state_k[h], k[0, h]])
-        vals = torch.cat([state_v[h], v[0, h]])
-        s = q[0, j] @ keys.T * scale
-        s[:, : len(state_k[h])] += state_b[h]
-        s[:, len(state_k[h]):] += mask
-        outs.append(torch.softmax(s, -1) @ vals)
-    return torch.stack(outs, 1)[None]  # (1, q, Hq, d)
-
-
-@pytest.mark.parametrize("lengths", [[5, 5, 5], [3, 7, 1], [0, 4, 2], [700, 0, 400]])  # the last: per-head reads
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_joint_attention_matches_concatenation(lengths, q_len):
-    g = torch.Generator().manual_seed(0)
-    H, G, d, t = 3, 3, 8, 6
-    sk = [torch.randn(n, d, generator=g) for n in lengths]
-    sv = [torch.randn(n, d, generator=g) for n in lengths]
-    sb = [torch.randn(n, generator=g) for n in lengths]
-    state = EntryState(sk, sv, sb, dtype=torch.float32)
-    q = torch.randn(1, H * G, q_len, d, generator=g)
-    k = torch.randn(1, H, t, d, generator=g)
-    v = torch.randn(1, H, t, d, generator=g)
-    causal = torch.ones(q_len, t, dtype=torch.bool).tril(t - q_len)
-    additive = torch.zeros(q_len, t).masked_fill(~causal, float("-inf"))
-    ref = _naive(sk, sv, sb, q, k, v, additive, 0.3)
-    for mask in (causal[None, None], additive[None, None], None if q_len == 1 else causal[None, None]):
-        out = joint_attention(state, q, k, v, mask, 0.3)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_ragged_state_holds_only_its_entries():
-    d = 8
-    lengths = [2, 9, 4]
-    state = EntryState([torch.zeros(n, d) for n in lengths], [torch.zeros(n, d) for n in lengths])
-    assert state.lengths() == lengths
-    # 15 entries x (K + V) x 8 dims x fp16, plus one int8 head index per entry
-    assert state.nbytes() == 15 * 2 * d * 2 + 15
-
-
-@pytest.mark.parametrize("method", ["streaming_llm", "random"])
-@pytest.mark.parametrize("budget", [0.5, 0.25, 0.125])
-def test_budget_is_met_and_lengths_stay_logical(tiny, ids, method, budget):
-    cache = kvsum.compress(tiny, ids, method=method, budget=budget)
-    assert cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
-    assert cache.nbytes() >= (budget - 0.02) * cache.reference_nbytes  # the budget is used, not wasted
-    assert cache.get_seq_length() == ids.shape[1]
-    full_ids = torch.cat([ids, ids[:, :5]], -1)
-    out = tiny.generate(full_ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    assert out.shape[1] == ids.shape[1] + 5 + 6
-    assert cache.get_seq_length() == ids.shape[1] + 5 + 5  # the last generated token is not cached yet
-    rows = cache.stats()
-    assert {r["layer"] for r in rows} == {0, 1} and all(r["entries"] > 0 for r in rows)
-
-
-def test_streaming_llm_keeps_sinks_and_window(tiny, ids):
-    pre = kvsum.prefill(tiny, ids)
-    cache = kvsum.compress_prefill(pre, make_method("streaming_llm", sinks=4), 0.25)
-    state = cache.layers[0].state
-    n = state.lengths()[0]
-    full_k = pre.cache.layers[0].keys[0, 0]
-    kept = state.keys[:n].float()
-    torch.testing.assert_close(kept[:4], full_k[:4].half().float())
-    torch.testing.assert_close(kept[4:], full_k[-(n - 4):].half().float())
-
-
-def test_compressed_decode_equals_attention_over_kept_entries(tiny, ids):
-    """A compressed cache must give the logits of a model that only ever saw the kept entries."""
-    cache = kvsum.compress(tiny, ids, method="random", budget=0.5, storage_dtype=torch.float32)
-    nxt = ids[:, :3]
-    with torch.no_grad():
-        ours = tiny(nxt, cache=cache, position_ids=torch.arange(300, 303)[None]).logits
-    # rebuild the same situation with a DynamicCache holding exactly the kept entries
-    ref = DynamicCache()
-    for i, layer in enumerate(cache.layers):
-        n = layer.state.lengths()[0]
-        H = len(layer.state.lengths())
-        ref.update(layer.state.keys.view(1, H, n, -1), layer.state.values.view(1, H, n, -1), i)
-    mask = torch.ones(1, n + 3, dtype=torch.long)
-    with torch.no_grad():
-        exp = tiny(nxt, cache=ref, attention_mask=mask, position_ids=torch.arange(300, 303)[None]).logits
-    torch.testing.assert_close(ours, exp, rtol=1e-4, atol=1e-4)
+from kvsum.cache import KVSumSlidingLayer
+from kvsum.state import BatchState, EntryState
+from tests.helpers import (
+    assert_full_is_dynamic_cache,
+    greedy_logits,
+    tiny_gemma,
+    tiny_llama,
+)
 
 
 class _FoldAll:
@@ -141,6 +41,44 @@ class _FoldAll:
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_full_is_bit_identical_to_dynamic_cache_tiny(attn, ids):
+    assert_full_is_dynamic_cache(tiny_llama(attn), ids, ids[:, :7])
+
+
+@pytest.mark.parametrize("method", ["streaming_llm", "random"])
+@pytest.mark.parametrize("budget", [0.5, 0.25, 0.125])
+def test_budget_is_met_and_lengths_stay_logical(tiny, ids, method, budget):
+    cache = kvsum.compress(tiny, ids, method=method, budget=budget)
+    assert cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
+    assert cache.nbytes() >= (budget - 0.02) * cache.reference_nbytes  # the budget is used, not wasted
+    assert cache.get_seq_length() == ids.shape[1]
+    full_ids = torch.cat([ids, ids[:, :5]], -1)
+    out = tiny.generate(full_ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 5 + 6
+    assert cache.get_seq_length() == ids.shape[1] + 5 + 5  # the last generated token is not cached yet
+    rows = cache.stats()
+    assert {r["layer"] for r in rows} == {0, 1} and all(r["entries"] > 0 for r in rows)
+
+
+def test_compressed_decode_equals_attention_over_kept_entries(tiny, ids):
+    """A compressed cache must give the logits of a model that only ever saw the kept entries."""
+    cache = kvsum.compress(tiny, ids, method="random", budget=0.5, storage_dtype=torch.float32)
+    nxt = ids[:, :3]
+    with torch.no_grad():
+        ours = tiny(nxt, cache=cache, position_ids=torch.arange(300, 303)[None]).logits
+    # rebuild the same situation with a DynamicCache holding exactly the kept entries
+    ref = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        n = layer.state.lengths()[0]
+        H = len(layer.state.lengths())
+        ref.update(layer.state.keys.view(1, H, n, -1), layer.state.values.view(1, H, n, -1), i)
+    mask = torch.ones(1, n + 3, dtype=torch.long)
+    with torch.no_grad():
+        exp = tiny(nxt, cache=ref, attention_mask=mask, position_ids=torch.arange(300, 303)[None]).logits
+    torch.testing.assert_close(ours, exp, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("keep", [0, 3])
 def test_stream_folding_tail_into_state_keeps_outputs(attn, keep, ids):
     """Decoding-time streams may move tail tokens into the state mid-generation; mask, positions and
@@ -157,3 +95,57 @@ def test_stream_folding_tail_into_state_keeps_outputs(attn, keep, ids):
     assert all(layer.tail_length() <= keep + 1 for layer in cache.layers)
     assert cache.layers[0].get_seq_length() == full_ids.shape[1] + 19
     assert streams[0].seen == 7 + 19  # the question's queries, then one per generated token after the first
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, 32), (torch.bfloat16, 16)])
+def test_references_name_what_they_compare_with(ids, dtype, bits):
+    """reference_nbytes is the full cache at 16 bits whatever the model's dtype; model_reference_nbytes is the
+    full cache in the model's own dtype, which is what the full cache holds."""
+    model = tiny_llama(dtype=dtype)
+    full = kvsum.compress(model, ids, method="full")
+    T, layers, kv_heads, d = ids.shape[1], 2, 2, 16
+    assert full.reference_nbytes == full.budget_reference_nbytes == 2 * layers * kv_heads * d * T * 2
+    assert full.model_reference_nbytes == full.reference_nbytes * bits // 16 == full.nbytes()
+    small = kvsum.compress(model, ids, method="streaming_llm", budget=0.5)
+    assert (small.reference_nbytes, small.model_reference_nbytes) == (full.reference_nbytes,
+                                                                       full.model_reference_nbytes)
+    assert small.ratio() == small.nbytes() / small.reference_nbytes
+
+
+def test_beam_search_reorders_states(tiny, ids):
+    """Beam search reorders the batch (transformers leaves a passed cache's expansion to the caller:
+    batch_repeat_interleave); states follow. With the whole prompt kept in the state the beams equal
+    those over transformers' own cache."""
+    full_ids = torch.cat([ids, ids[:, :4]], -1)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    cache = kvsum.compress(tiny, ids, method="streaming_llm", budget=1.0)
+    assert cache.layers[0].state.lengths() == [300, 300]
+    cache.batch_repeat_interleave(3)
+    one = cache.layers[0].state.states[0]
+    assert cache.batch_size == 3 and cache.nbytes() == sum(layer.state.states[0].nbytes() for layer in cache.layers)
+    out = tiny.generate(full_ids, past_key_values=cache, **kw)
+    assert isinstance(cache.layers[0].state, BatchState) and cache.layers[0].state.states == [one] * 3
+    ref_cache = kvsum.compress(tiny, ids, method="full")
+    ref_cache.batch_repeat_interleave(3)
+    ref = tiny.generate(full_ids, past_key_values=ref_cache, **kw)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gemma_full_is_bit_identical_to_dynamic_cache(attn):
+    model = tiny_gemma(attn)
+    ctx = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    cache, _ = assert_full_is_dynamic_cache(model, ctx, ctx[:, :7], steps=40)
+    assert [isinstance(layer, KVSumSlidingLayer) for layer in cache.layers] == [True, True, False] * 2
+    # the window layers hold what transformers holds: window - 1 tokens
+    assert [layer.keys.shape[2] for layer in cache.layers] == [31, 31, 146] * 2
+
+
+def test_failed_decoding_step_leaves_the_cache_as_it_was(tiny, ids):
+    """A bad input to a compressed cache is refused before any layer changes."""
+    cache = kvsum.compress(tiny, ids, method="streaming_llm")
+    held, seen = cache.nbytes(), cache.get_seq_length()
+    with pytest.raises(kvsum.KVSumError, match="the cache holds 1 sequence"):
+        with torch.no_grad():
+            tiny(ids[:, :2].expand(2, -1), past_key_values=cache)
+    assert cache.nbytes() == held and cache.get_seq_length() == seen

@@ -1,6 +1,9 @@
+"""kvsum/cli.py: the command line; argument errors are one line and exit 2 before any model loads."""
+
 import pytest
 
 import kvsum
+from kvsum import cli
 from kvsum.cli import main
 
 
@@ -30,22 +33,96 @@ def test_unknown_subcommand_exits_2(capsys):
     assert main(["frobnicate"]) == 2
 
 
-@pytest.mark.model
-def test_context_longer_than_window_is_rejected(capsys, smollm2):
-    assert main(["eval", "--method", "full", "--lengths", "100000"]) == 2
-    assert "longer than the model's window" in capsys.readouterr().err
-
-
-@pytest.mark.model
-def test_demo_runs_on_the_bundled_model(capsys, smollm2):
-    assert main(["demo", "--method", "streaming_llm", "--tokens", "600"]) == 0
-    out = capsys.readouterr().out
-    assert "bytes held" in out and "pass key" in out
-
-
 @pytest.mark.parametrize("argv, needle", [
     (["calibrate", "--text", "/nonexistent/file.txt"], "is not a readable file"),
 ])
 def test_calibrate_bad_text_is_rejected(capsys, argv, needle):
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["eval", "--method", "snapkv:nope=1"], "has no knob nope"),
+    (["eval", "--method", "summary:cover=turboquant:bits=3"], "written name(knob=value)"),
+    (["eval", "--method", "snapkv:window=16,nope"], "unknown method 'nope'"),
+    (["demo", "--method", "snapkv,full"], "--method takes one method"),
+    (["demo", "--tokens", "0"], "--tokens must be a positive"),
+    (["eval", "--method", "full", "--n", "0"], "--n must be >= 1"),
+])
+def test_method_specs_are_checked_before_the_model_loads(capsys, monkeypatch, argv, needle):
+    import kvsum.models
+
+    monkeypatch.setattr(kvsum.models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from kvsum.cli import parser
+
+    p = parser()
+    subs = next(a for a in p._actions if a.dest == "command").choices
+    for name, sp in subs.items():
+        text = sp.format_help()
+        for a in sp._actions:
+            if a.dest == "help":
+                continue
+            assert a.help, f"kvsum {name} {a.option_strings or a.dest} has no help line"
+            if a.option_strings and a.default is not None and a.default is not False:
+                assert "default" in (sp._get_formatter()._get_help_string(a)), (name, a.option_strings)
+        assert "(default: smollm2)" in text or name == "methods"
+
+
+def test_outputs_go_under_the_working_directory_by_default():
+    from kvsum.cli import parser
+
+    for argv in (["stability"], ["report"], ["bench", "breakeven"]):
+        args = parser().parse_args(argv)
+        assert args.out.startswith("kvsum-results") and "benchmarks" not in args.out
+
+
+def test_a_missing_extra_is_one_line(capsys, monkeypatch):
+    import kvsum.extras
+
+    monkeypatch.setattr(kvsum.extras, "missing_eval", lambda modules=("rich", "matplotlib"): list(modules))
+    for command in ("report", "stability", "demo"):
+        assert main([command]) == 2
+        err = capsys.readouterr().err
+        assert f"kvsum {command} needs the eval extra: pip install 'kvsum[eval]'" in err
+        assert len(err.strip().splitlines()) == 1
+    with kvsum.extras.progress("no rich", 3) as bar:  # progress degrades to nothing
+        bar.advance("step")
+
+
+def test_eval_writes_into_the_chosen_folder(capsys, monkeypatch, tmp_path):
+    import kvsum.eval.runner
+    import kvsum.models
+    from tests.helpers import CharTokenizer, tiny_llama
+
+    monkeypatch.setattr(kvsum.models, "load_model", lambda name: (tiny_llama(), CharTokenizer()))
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--method", "full,streaming_llm:sinks=4", "--budget", "0.5", "--task", "lm",
+                 "--lengths", "300", "--n", "1"]) == 0
+    out = capsys.readouterr().out
+    (folder,) = (tmp_path / "kvsum-results").iterdir()
+    assert folder.name.startswith("eval-lm-") and (folder / "eval_lm.json").is_file()
+    assert f"wrote kvsum-results/{folder.name}/eval_lm.json" in out and "sinks=4" in out
+
+
+def test_cli_rejects_bad_task(capsys):
+    assert cli.main(["report", "--task", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "256,x"], ["--new-tokens", "0"], ["--budget", "2"],
+                                  ["--methods", "summary,nope"]])
+def test_bench_breakeven_bad_arguments_exit_2(argv, capsys):
+    from kvsum.cli import main
+
+    assert main(["bench", "breakeven", *argv]) == 2
+    assert capsys.readouterr().err.startswith("kvsum: error:")
+
+
+def test_cli_rejects_bad_dtype(capsys):
+    assert cli.main(["stability", "--dtypes", "fp8"]) == 2
+    assert "fp8" in capsys.readouterr().err

@@ -6,8 +6,7 @@ import torch
 import kvsum
 from kvsum.cache import KVSumLayer
 from kvsum.errors import KVSumError
-
-from .conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 METHODS = ["snapkv", "h2o", "tova", "knorm", "expected_attention", "restkv", "streaming_llm", "random"]
 

@@ -1,12 +1,11 @@
-import math
+"""kvsum/policy.py: full cache where compression does not pay, compressed where it does."""
 
 import pytest
 
 import kvsum
-from kvsum.breakeven import crossing, markdown, measure
+from kvsum.breakeven import crossing
 from kvsum.errors import KVSumError
-
-from .conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 LENGTHS = [256, 512, 1024, 2048, 4096]
 
@@ -14,14 +13,6 @@ LENGTHS = [256, 512, 1024, 2048, 4096]
 def table(mid=(2.0, 1.9, 1.8, 1.7, 1.6), long=(1.5, 1.3, 1.1, 0.95, 0.8), budget=0.25):
     rows = {"turboquant": {"ratio": list(mid)}, "summary": {"ratio": list(long)}}
     return {"lengths": LENGTHS, "new_tokens": 64, "budget": budget, "methods": rows}
-
-
-def test_crossing_interpolates_in_log_length_and_needs_to_stay_below():
-    assert crossing(LENGTHS, [1.5, 1.3, 1.1, 0.9, 0.8]) == round(math.exp((math.log(1024) + math.log(2048)) / 2))
-    assert crossing(LENGTHS, [0.9, 0.9, 0.9, 0.9, 0.9]) == 256
-    assert crossing(LENGTHS, [0.9, 1.2, 0.9, 1.1, 1.2]) is None  # ends above: never
-    assert crossing(LENGTHS, [0.9, 1.2, 0.8, 0.9, 0.7]) == crossing(LENGTHS, [2, 1.2, 0.8, 0.9, 0.7])  # dip ignored
-    assert crossing(LENGTHS, [None, None, 0.9, 0.8, 0.7]) == 1024  # refused lengths count as above
 
 
 def test_thresholds_come_from_the_table():
@@ -105,43 +96,3 @@ def test_shipped_table_loads_and_gives_a_policy():
     p = kvsum.Policy()
     assert set(p.table["lengths"]) and p.mid in p.table["methods"] and p.long in p.table["methods"]
     assert p.choose(64).method == "full"  # compression never pays on a 64-token prompt
-
-
-def test_measure_writes_a_table_the_policy_loads(ids):
-    model = tiny_llama()
-    t = measure(model, None, methods=["streaming_llm", "kivi"], lengths=[64, 128], new_tokens=4, rounds=1, ids=ids)
-    assert t["lengths"] == [64, 128] and t["new_tokens"] == 4
-    r = t["methods"]["streaming_llm"]
-    assert len(r["ratio"]) == 2 and all(x > 0 for x in r["ratio"]) and len(t["full"]["step_s"]) == 2
-    assert t["methods"]["kivi"]["ratio"] == [None, None] and "64" in t["methods"]["kivi"]["refused"]
-    assert "| kivi | refused | refused | never |" in markdown(t)
-    p = kvsum.Policy(table=t, mid="streaming_llm", long="streaming_llm")
-    assert p.choose(100).method in ("full", "streaming_llm")
-
-
-@pytest.mark.model
-def test_generate_with_the_full_cache_is_plain_generate(smollm2):
-    model, tok = smollm2
-    ctx = "The special code for the falcon is 48213. " * 4
-    text, cache = kvsum.generate(model, tok, ctx, "\n\nThe special code for the falcon is", max_new_tokens=8,
-                                 return_cache=True)
-    assert cache.decision.method == "full"
-    ids = tok(ctx + "\n\nThe special code for the falcon is", return_tensors="pt").input_ids
-    ref = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
-    assert text == tok.decode(ref[0, ids.shape[-1]:], skip_special_tokens=True)
-    assert "48213" in text
-    forced = kvsum.Policy(memory=0.5)
-    text2, cache2 = kvsum.generate(model, tok, ctx, "\n\nThe special code for the falcon is", policy=forced,
-                                   max_new_tokens=8, return_cache=True)
-    assert cache2.decision.method != "full" and isinstance(text2, str) and text2
-    ctx_ids = tok(ctx, return_tensors="pt").input_ids
-    assert kvsum.compress(model, ctx_ids, policy=forced).ratio() <= 0.5 + 0.02  # before decoding grows it
-
-
-@pytest.mark.parametrize("argv", [["--lengths", "256,x"], ["--new-tokens", "0"], ["--budget", "2"],
-                                  ["--methods", "summary,nope"]])
-def test_bench_breakeven_bad_arguments_exit_2(argv, capsys):
-    from kvsum.cli import main
-
-    assert main(["bench", "breakeven", *argv]) == 2
-    assert capsys.readouterr().err.startswith("kvsum: error:")

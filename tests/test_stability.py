@@ -1,13 +1,14 @@
+"""kvsum/stability.py: the numerical-stability audit."""
+
 import pytest
 import torch
 
-from kvsum import cli
-from kvsum.compress import prefill
+from kvsum.prefill import prefill
 from kvsum.report.specs import Store
-from kvsum.stability import DTYPES, Settings, divergence, kl_top1, markdown, method_vs_full, run
+from kvsum.report.stability import markdown
+from kvsum.stability import DTYPES, Settings, divergence, kl_top1, method_vs_full, run
 from kvsum.stability import _full_ref as full_ref
-
-from .conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 PROMPTS = [torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(2)]
 
@@ -66,11 +67,6 @@ def test_deadline_leaves_units_for_later(tmp_path):
     assert not r["complete"] and r["floor"] == {} and r["methods"] == {}
 
 
-def test_cli_rejects_bad_dtype(capsys):
-    assert cli.main(["stability", "--dtypes", "fp8"]) == 2
-    assert "fp8" in capsys.readouterr().err
-
-
 def test_onepass_cache_off_matches_stepwise_in_fp32():
     from kvsum.stability import cache_off, cache_off_onepass, precision_floor
 
@@ -81,3 +77,10 @@ def test_onepass_cache_off_matches_stepwise_in_fp32():
     assert torch.allclose(one_logits, logits, atol=1e-4) and torch.allclose(one_hidden, hidden, atol=1e-4)
     r = precision_floor(model, ids, 5, onepass=True)
     assert r["div_first"] is None and r["top1"] == 1.0 and max(r["hidden_rel"]) < 1e-5
+
+
+def test_variants_of_one_method_are_kept_apart(tmp_path):
+    st = Settings(model="tiny", dtypes=["fp32"], prompts=1, prompt_tokens=48, new_tokens=4)
+    specs = [("snapkv", {"window": 16}), ("snapkv", {"window": 8})]
+    r = run(st, specs, Store(tmp_path), load=_load, prompts=PROMPTS, progress=False)
+    assert set(r["summary"]["fp32"]["methods"]) == {"snapkv:window=16", "snapkv:window=8"}

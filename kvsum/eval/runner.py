@@ -7,29 +7,45 @@ examples, so a method's score and the full cache's score beside it are directly 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..compress import compress_prefill, prefill
+from ..compress import compress_prefill
 from ..errors import KVSumError
-from ..methods import make_method, prefill_needs
+from ..extras import progress as progress_bar
+from ..methods import Method, make_method, prefill_needs
+from ..prefill import prefill
 from .metrics import fidelity, summarize_fidelity
 from .report import write  # noqa: F401  (re-exported: run, then write)
 from .tasks import Example, Task, get_task
 
-MethodSpec = str | tuple[str, dict] | tuple[str, dict, Sequence[float]]
+MethodSpec = str | Method | tuple[str | Method, dict] | tuple[str | Method, dict, Sequence[float]]
+
+
+def _build(name: str | Method, knobs: dict) -> Method:
+    """A configuration's method: built from its name and knobs, or given already built (a variant that is not
+    registered, e.g. a diagnosis), whose knobs are then its fields that differ from their defaults."""
+    return name if isinstance(name, Method) else make_method(name, **knobs)
+
+
+def _label(name: str | Method, knobs: dict) -> tuple[str, dict]:
+    """(method name, knobs) as a result row names them."""
+    if not isinstance(name, Method):
+        return name, knobs
+    return name.name, {f.name: getattr(name, f.name) for f in dataclasses.fields(name)
+                       if getattr(name, f.name) != f.default}
 
 
 def _configs(methods: Sequence[MethodSpec], budgets: Sequence[float]) -> list[tuple[str, dict, float]]:
     """(name, knobs, budget) per configuration; a spec may carry its own budgets as a third element."""
     out = []
     for m in methods:
-        name, knobs, own = (m, {}, None) if isinstance(m, str) else (m[0], dict(m[1]), m[2] if len(m) > 2 else None)
-        make_method(name, **knobs)  # fail before any prefill on a bad name or knob
+        name, knobs, own = (m, {}, None) if isinstance(m, str | Method) else (m[0], dict(m[1]),
+                                                                               m[2] if len(m) > 2 else None)
+        _build(name, knobs)  # fail before any prefill on a bad name or knob
         out += [(name, knobs, b) for b in ([1.0] if name == "full" else own or budgets)]
     return out
 
@@ -51,18 +67,12 @@ def forced_logits(model, ex: Example, cache) -> torch.Tensor:
     return model(ex.question_ids.to(model.device), cache=cache, use_cache=True).logits[0].float()
 
 
-def _progress(enabled: bool):
-    if not enabled:
-        return nullcontext(None)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn())
-
-
 def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequence[MethodSpec],
         budgets: Sequence[float], lengths: Sequence[int], n: int, seed: int = 0, progress: bool = True) -> list[dict]:
     """One row per task x length x method x budget, aggregated over `n` examples.
 
-    `methods`: names, (name, knobs) pairs or (name, knobs, budgets) triples; "full" gets one row at budget 1.0.
+    `methods`: names or built methods, (name, knobs) pairs or (name, knobs, budgets) triples; "full" gets one row
+    at budget 1.0.
     Retrieval rows score accuracy in %, lm rows the KL(full || compressed) in nats (plus top1 %, ppl_ratio).
     """
     tasks = [get_task(task)] if isinstance(task, str | Task) else [get_task(t) for t in task]
@@ -70,17 +80,14 @@ def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequ
         raise KVSumError("run needs n >= 1 and at least one length")
     configs = _configs(methods, budgets)
     rows: list[dict] = []
-    with _progress(progress) as bar:
-        job = bar.add_task("eval", total=len(tasks) * len(lengths) * n) if bar else None
+    with progress_bar("eval", len(tasks) * len(lengths) * n, enabled=progress, eta=True) as bar:
         for t in tasks:
             for length in lengths:
-                if bar:
-                    bar.update(job, description=f"{t.name} @ {length} tokens")
+                bar.update(f"{t.name} @ {length} tokens")
                 per = [[] for _ in configs]  # per config: one record per example
                 for ex in t.examples(tokenizer, length, n, seed):
                     _one_example(model, tokenizer, t, ex, configs, per)
-                    if bar:
-                        bar.advance(job)
+                    bar.advance()
                 rows += [_row(t, length, cfg, recs) for cfg, recs in zip(configs, per)]
     return rows
 
@@ -89,7 +96,7 @@ def prefill_example(model, tokenizer, t: Task, ex: Example, configs) -> tuple:
     """Prefill one example once, with every extra its configurations ask for, and score the full cache on it:
     (prefill, prefill seconds, reference: the full cache's forced logits and targets, or its score)."""
     t0 = time.perf_counter()
-    opts = prefill_needs(make_method(name, **knobs) for name, knobs, _ in configs)
+    opts = prefill_needs(_build(name, knobs) for name, knobs, _ in configs)
     pre = prefill(model, ex.context_ids.to(model.device), tokenizer=tokenizer, **opts)
     prefill_s = time.perf_counter() - t0
     ref_cache = compress_prefill(pre, make_method("full"), 1.0)
@@ -104,7 +111,7 @@ def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, n
            budget: float) -> dict:
     """One configuration on one prefilled example: bytes held, times, and its score beside the reference."""
     t0 = time.perf_counter()
-    cache = compress_prefill(pre, make_method(name, **knobs), budget)
+    cache = compress_prefill(pre, _build(name, knobs), budget)
     compress_s = time.perf_counter() - t0
     rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
                compress_s=compress_s, global_bytes=cache.budget_nbytes(),
@@ -131,6 +138,7 @@ def _mean(recs: list[dict], key: str) -> float:
 
 def _row(t: Task, length: int, cfg, recs: list[dict]) -> dict:
     name, knobs, budget = cfg
+    name, knobs = _label(name, knobs)
     row = dict(task=t.name, length=length, method=name, knobs=knobs, budget=budget, n=len(recs))
     if t.kind == "lm":
         fid = summarize_fidelity(recs)

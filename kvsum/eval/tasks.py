@@ -3,17 +3,16 @@
 Each task turns (tokenizer, length in tokens, seed, depth) into an `Example`: `context_ids` (1, T)
 is what gets compressed, `question_ids` (1, q) is appended after compression.
 
-Prompt format (plain text, no chat template), chosen on SmolLM2-135M-Instruct with the full cache at
-2048 tokens, examples of seed 0 (needle depths cycling 0.1..0.9):
+Prompt format (plain text, no chat template), chosen on SmolLM2-135M-Instruct with the full cache
+(needle depths cycling 0.1..0.9):
 - passkey: the key is stated as its own paragraph, "The pass key is 48213. Remember it. 48213 is
   the pass key.", and the question is a bare cue after the context, "\\n\\nThe pass key is".
-  Asked "What is the pass key?", a 135M model tends to answer with a definition. Measured: 20/20.
+  Asked "What is the pass key?", a 135M model tends to answer with a definition.
 - multikey: five facts "The <relation> for the <word> is <5 digits>." (relations such as "locker
   number", "serial number", all different), each its own paragraph, one asked with the cue
-  "\\n\\nThe <relation> for the <word> is". Measured: 19/20. With one shared relation ("The special
-  code for the <word> is ...") the model copied the code of a nearby later fact: 9/20, 12/20 with
-  each fact repeated ("Remember it. <code> is the special code for the <word>."), 10 examples with
-  4 keys 5/10, asked "What is the special code for the <word>?" before the cue 6/10, "<word>: <code>" 7/10.
+  "\\n\\nThe <relation> for the <word> is". With one shared relation ("The special code for the
+  <word> is ...") the model copies the code of a nearby later fact, with or without each fact repeated,
+  a question before the cue, or a "<word>: <code>" format.
 The haystack is real prose (`text.py`); T is exact: the first paragraph is cut at its front.
 """
 
@@ -95,20 +94,7 @@ def _with_needles(tokenizer, length: int, seed: int, needles: list[tuple[float, 
     for k in range(len(needles)):  # in the caller's order: the asked fact first gets its boundary
         free = [j for j in range(len(offsets)) if j not in taken]
         taken[min(free, key=lambda j: abs(offsets[j] - needles[k][0] * n_hay))] = k
-    parts, which = [], []
-    for j in range(len(hay) + 1):
-        if j in taken:
-            parts.append(needle_ids[taken[j]])
-            which.append(taken[j])
-        if j < len(hay):
-            parts.append(hay[j])
-            which.append(None)
-    starts, pos = [0] * len(needles), 0
-    for p, k in zip(parts, which):
-        if k is not None:
-            starts[k] = pos
-        pos += len(p) + len(sep)
-    return text.join(parts, sep), starts
+    return text.splice(hay, needle_ids, {j: [k] for j, k in taken.items()}, sep)
 
 
 def _tensor(ids: list[int]) -> Tensor:

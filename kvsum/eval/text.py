@@ -2,9 +2,8 @@
 
 `pydoc_data.topics.topics` holds the language reference as plain text. We keep its prose paragraphs
 (no headings, grammar rules, code or tables), reflowed to one line each, the long ones split at
-sentence ends: about 630 paragraphs, 33k SmolLM2 tokens on Python 3.11 (longer haystacks reuse them in
-a new order). The text is fixed for a given Python version, so a haystack is a pure function of
-(Python version, tokenizer, length, seed).
+sentence ends (haystacks longer than the text reuse its paragraphs in a new order). The text is fixed
+for a given Python version, so a haystack is a pure function of (Python version, tokenizer, length, seed).
 """
 
 from __future__ import annotations
@@ -97,6 +96,26 @@ def join(parts: list[list[int]], sep_ids: list[int]) -> list[int]:
     return out
 
 
+def splice(units: list[list[int]], needles: list[list[int]], taken: dict[int, list[int]],
+           sep: list[int]) -> tuple[list[int], list[int]]:
+    """`units` joined by `sep`, needle k inserted before unit j for each k in taken[j] (j = len(units): after the
+    last): (the token ids, the offset where each needle starts)."""
+    parts, which = [], []
+    for j in range(len(units) + 1):
+        for k in taken.get(j, ()):
+            parts.append(needles[k])
+            which.append(k)
+        if j < len(units):
+            parts.append(units[j])
+            which.append(None)
+    starts, pos = [0] * len(needles), 0
+    for p, k in zip(parts, which):
+        if k is not None:
+            starts[k] = pos
+        pos += len(p) + len(sep)
+    return join(parts, sep), starts
+
+
 def sep_ids(tokenizer, sep: str = SEP) -> list[int]:
     """Tokens of `sep` as they appear between two paragraphs (BPE may merge it differently alone)."""
     word = encode(tokenizer, "Word")
@@ -109,3 +128,10 @@ def sep_ids(tokenizer, sep: str = SEP) -> list[int]:
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of `text` alone: no special tokens, so pieces can be concatenated."""
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def prose_ids(tokenizer, n: int, seed: int = 11):
+    """(1, n) token ids (a torch tensor) of real prose: a haystack of `n` tokens, e.g. for timing runs."""
+    import torch  # here, so that reading the text needs no torch
+
+    return torch.tensor([join(haystack(tokenizer, n, seed), sep_ids(tokenizer))])

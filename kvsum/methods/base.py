@@ -1,7 +1,10 @@
-"""The method protocol, the config base class and the registry.
+"""The method protocol and the config base class.
 
-A method is a small dataclass of knobs. `kvsum.compress` hands it one `LayerInput` per layer (the
-prompt's keys and values, reference queries, a byte budget) and stores the `LayerState` it returns.
+A method is a frozen dataclass of knobs: a value, never anything about a prompt. For one prompt,
+`kvsum.compress` asks it for a `Plan` over all layers (how the budget is spread, and whatever else it
+decides across layers), then hands it one `LayerInput` per layer with that plan and stores the
+`LayerState` it returns. The plan is passed on, never stored on the method, so one instance can
+compress any number of prompts, interleaved or from several threads.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..errors import KVSumError
 from ..state import EntryState, LayerState
 
 
@@ -34,6 +36,7 @@ class LayerInput:
     sentence_ends: Tensor | None = None  # (T,) bool, True at tokens that end a sentence (prefill(sentences=True))
     key_scores: Tensor | None = None  # (H, T) attention received while re-reading (prefill(repeat=True))
     rope: dict | None = None  # this layer's Llama-form RoPE {inv_freq, scaling}, for methods that un-rotate keys
+    fingerprint: dict | None = None  # the model's kvsum.shape.fingerprint, for methods with per-model artifacts
 
     @property
     def H(self) -> int:
@@ -63,35 +66,43 @@ class LayerInput:
         return EntryState(keys, values, bias, dtype=self.storage)
 
 
-REGISTRY: dict[str, type[Method]] = {}
+@dataclass(frozen=True)
+class Plan:
+    """What a method decided across the layers of one prompt.
+
+    `fractions[i]`: the share of input i's full 16-bit bytes that layer may hold (inputs in the order given
+    to `Method.plan`). Methods that decide more across layers (bit shifts, head weights) subclass it with
+    more fields, keyed by layer index."""
+
+    fractions: tuple[float, ...]
 
 
-def register(cls):
-    """Class decorator: make a method available to kvsum.compress by its `name`."""
-    if not (isinstance(cls, type) and issubclass(cls, Method)) or not isinstance(cls.name, str) or not cls.name:
-        raise KVSumError(f"register takes a kvsum.Method subclass with a non-empty `name`, got {cls!r}")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-@dataclass
+@dataclass(frozen=True)
 class Method:
-    """Base of every method config. Subclasses set `name`, `summary` and implement `compress`."""
+    """Base of every method config. Subclasses (frozen dataclasses too) set `name`, `summary` and implement
+    `compress`; those that decide anything across layers override `plan`, and those whose layers depend on
+    each other (a layer rebuilt from the previous one) override `compress_layers`."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False  # whether compress reads LayerInput.queries
 
-    def compress(self, x: LayerInput) -> LayerState:
+    def plan(self, inputs: list[LayerInput], budget: float) -> Plan:
+        """This prompt's plan over its layers: the same fraction of every layer's bytes by default."""
+        return Plan(tuple([budget] * len(inputs)))
+
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> LayerState:
+        """The state of one layer within `x.budget_bytes`. Without a plan (a layer compressed alone) the
+        method decides nothing across layers."""
         raise NotImplementedError
+
+    def compress_layers(self, inputs: list[LayerInput], plan: Plan) -> list[LayerState]:
+        """The states of all layers of one prompt, in order (budget_bytes already set from the plan)."""
+        return [self.compress(x, plan) for x in inputs]
 
     def prefill_options(self) -> dict:
         """Extra signals this method needs from kvsum.prefill (e.g. {"repeat": True})."""
         return {}
-
-    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
-        """Fraction of each layer's full bytes it may hold; uniform by default."""
-        return [budget] * len(inputs)
 
     def stream(self, layer_idx: int, state: LayerState):
         """The decoding-time Stream (kvsum.cache.Stream) of layer `layer_idx` given its compressed state, or
@@ -101,48 +112,3 @@ class Method:
     @classmethod
     def knobs(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
-
-
-def prefill_needs(methods) -> dict:
-    """The kvsum.prefill extras any of `methods` asks for (the union of their prefill_options), as keywords."""
-    return {k: True for m in methods for k, v in m.prefill_options().items() if v}
-
-
-def make_method(name: str, **knobs) -> Method:
-    """Build a registered method from its name and keyword knobs, with clear errors for either.
-    "a+b" composes a method with a quantizer (kvsum/methods/compose.py says how knobs are routed)."""
-    if isinstance(name, str) and "+" in name:
-        from .compose import compose
-
-        return compose(name, **knobs)
-    if name not in REGISTRY:
-        raise KVSumError(f"unknown method {name!r}; accepted: {', '.join(sorted(REGISTRY))}")
-    cls = REGISTRY[name]
-    unknown = set(knobs) - set(cls.knobs())
-    if unknown:
-        raise KVSumError(f"method {name!r} has no knob {', '.join(sorted(unknown))}; "
-                         f"accepted: {', '.join(cls.knobs()) or 'none'}")
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for knob, value in knobs.items():
-        _check_knob(name, knob, value, defaults[knob])
-    return cls(**knobs)
-
-
-def _check_knob(method: str, knob: str, value, default) -> None:
-    """A knob takes the type of its default (bool, int >= 0, float >= 0 and finite, str); None defaults take
-    anything (the method checks them)."""
-    if default is None or default is dataclasses.MISSING:
-        return
-    if isinstance(default, bool):
-        ok, want = isinstance(value, bool), "True or False"
-    elif isinstance(default, int):
-        ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "an integer >= 0"
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
-        want = "a finite number >= 0"
-    elif isinstance(default, str):
-        ok, want = isinstance(value, str), "a string"
-    else:
-        return
-    if not ok:
-        raise KVSumError(f"{method}: {knob} must be {want}, got {value!r}")

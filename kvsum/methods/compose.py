@@ -2,16 +2,16 @@
 
 One byte budget covers the total. Quantized entries are cheaper than 16-bit ones, so `a` is given the
 budget of as many 16-bit entries (with a bias) as the quantized entries (+ their fp16 bias) fit in the
-layer's bytes; the quantizer runs at a fixed bit width (its `bits`, else DEFAULT_BITS). Summary entries'
-log-mass biases stay in fp16. Knobs go to the method that declares them; a knob both declare (`seed`,
-`window` ...) must be prefixed with its method's name and an underscore (`snapkv_window=32`,
-`kivi_residual=0`), which works for any knob. Tokens generated while decoding are quantized by `b`'s
-stream into a second, extendable state beside the composed one.
+layer's bytes; the quantizer runs at a fixed bit width (its `bits`, else its `default_bits`). Summary
+entries' log-mass biases stay in fp16. Knobs are routed to the part that declares them by make_method
+(kvsum/methods/registry.py). Tokens generated while decoding are quantized by `b`'s stream into a second,
+extendable state beside the composed one.
 
 The quantizer codes every entry `a` keeps: what stays exact is `a`'s choice, so the quantizer's own exact
-prompt tokens (`sinks`, `window`) are refused here. TurboQuant's key shift (key bits moved from the most
-diffuse half of the layers to the sharpest) is off in a composition unless `key_shift` is given; with it, each
-layer's bytes follow its entries' cost, so every layer keeps about as many entries as without the shift.
+prompt tokens (its `exact_knobs`) are refused here. A quantizer's key shift (key bits moved from the most
+diffuse half of the layers to the sharpest) is off in a composition unless asked for (its
+`composed_defaults`); with it, each layer's bytes follow its entries' cost, so every layer keeps about as many
+entries as without the shift. Any `Quantizer` composes: nothing here depends on which one.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from torch import Tensor
 
 from ..errors import KVSumError
 from ..state import EntryState, tensor_bytes
-from .base import REGISTRY, LayerInput, Method
+from .base import LayerInput, Method, Plan
 from .quant.stream import QuantStream
-
-QUANTIZERS = ("turboquant", "kivi")
-DEFAULT_BITS = {"turboquant": 3, "kivi": 2}
-EXACT_KNOBS = ("sinks", "window")  # a quantizer's exact prompt tokens: the first method decides what stays exact
+from .quantizer import KeyShiftPlan, Quantizer
+from .refusal import budget_hint, least_budget
 
 
 class ComposedState:
@@ -37,14 +35,21 @@ class ComposedState:
     quantizer sees (H, n, d). Ragged lengths: it sees the packed entries as one head (1, N, d). Where it
     can read them in runs (TurboQuant through the kernel), head h's queries score its own run only,
     (1, H, M, longest run); otherwise every query is scored against all N entries and other heads' entries
-    are masked, as EntryState does (H times the reads: at 4k tokens, 3.5x slower for SmolLM2)."""
+    are masked, as EntryState does (H times the reads).
 
-    def __init__(self, inner, lengths: list[int], bias: Tensor | None, head_of: Tensor | None):
+    `quant`, `shift` and `storage` are what the inner state was built with (the quantizer, after any fallback,
+    the layer's key shift, the storage dtype): decoded tokens are built the same way."""
+
+    def __init__(self, inner, lengths: list[int], bias: Tensor | None, head_of: Tensor | None,
+                 quant: Quantizer | None = None, shift: int = 0, storage: torch.dtype = torch.float16,
+                 note: str = ""):
         self.inner, self._lengths, self.bias, self.head_of = inner, list(lengths), bias, head_of
+        self.quant, self.shift, self.storage, self.note = quant, shift, storage, note
         self._runs = torch.tensor([0, *lengths]).cumsum(0) if head_of is not None else None  # offsets, metadata
 
     def _by_run(self, rows: int) -> bool:
-        return self._runs is not None and hasattr(self.inner, "serves_runs") and self.inner.serves_runs(rows)
+        serves = getattr(self.inner, "serves_runs", None)  # a state's optional fast path (TurboQuantState's)
+        return self._runs is not None and serves is not None and serves(rows)
 
     def lengths(self) -> list[int]:
         return list(self._lengths)
@@ -74,151 +79,187 @@ class ComposedState:
         return self.inner.mix(p.reshape(1, 1, H * M, N)).view(1, H, M, -1)
 
 
-@dataclass
+@dataclass(frozen=True)
+class ComposedPlan(KeyShiftPlan):
+    """The composition's plan: its layers' fractions and key shifts, and the first method's own plan."""
+
+    first: Plan | None = None
+    plain: frozenset = frozenset()  # layers whose entries stay unquantized: the quantizer's fixed costs exceed them
+
+
+@dataclass(frozen=True)
 class Composed(Method):
-    """`first` selects or fits entries, `quant` stores them; built by make_method("first+quant", ...)."""
+    """`first` selects or fits entries, `quant` stores them; built by make_method("first+quant", ...).
+
+    Attributes:
+        first: the method that selects or fits the entries (eviction or summary).
+        quant: the quantizer that stores them (any `Quantizer`), at a fixed width.
+    """
 
     first: Method = None
-    quant: Method = None
+    quant: Quantizer = None
 
     def __post_init__(self):
-        self.name = f"{self.first.name}+{self.quant.name}"
-        self.summary = f"{self.first.name} entries stored by {self.quant.name}"
-        self.needs_queries = self.first.needs_queries or self._shifts()  # the key shift ranks layers by queries
-        self.bits = self.quant.bits if self.quant.bits is not None else DEFAULT_BITS[self.quant.name]
-        supported = self.quant.supported() if hasattr(self.quant, "supported") else (2, 4)
+        if not isinstance(self.quant, Quantizer) or not isinstance(self.first, Method) or isinstance(self.first,
+                                                                                                      Quantizer):
+            raise KVSumError(f"a composition takes a method that selects or fits entries and a quantizer, got "
+                             f"{type(self.first).__name__} and {type(self.quant).__name__}")
+        supported = self.quant.supported()
         if self.bits not in supported:
             raise KVSumError(f"{self.name}: bits={self.bits!r} is not supported; accepted: "
                              f"{', '.join(map(str, supported))}")
-        self._storage = {}
-        self._ragged = False  # whether the first method kept ragged heads (EntryState's head index then costs)
+        exact = self.quant.exact_set()
+        if exact:
+            raise KVSumError(f"{self.name!r}: {self.quant.name}'s exact prompt tokens ({', '.join(exact)}) do not "
+                             f"apply in a composition: {self.quant.name} codes every entry {self.first.name} keeps, "
+                             f"and {self.first.name} decides what stays exact")
+        knob = self.quant.position_knob()
+        if knob:
+            raise KVSumError(f"{self.name!r}: {self.quant.name}'s {knob} un-rotates each key by its position, and "
+                             f"{self.first.name} keeps entries whose positions the codes do not get; drop {knob} in "
+                             "a composition")
+
+    @property
+    def name(self) -> str:
+        return f"{self.first.name}+{self.quant.name}"
+
+    @property
+    def summary(self) -> str:
+        return f"{self.first.name} entries stored by {self.quant.name}"
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.first.needs_queries or self.quant.shifts_layers  # the key shift ranks layers by queries
+
+    @property
+    def bits(self) -> float:
+        """The quantizer's fixed width: its `bits`, else its default_bits."""
+        return self.quant.fixed_bits()
 
     def prefill_options(self) -> dict:
         return self.first.prefill_options()
 
-    def _shifts(self) -> bool:
-        """Whether the quantizer moves key bits between layers (TurboQuant with `key_shift`)."""
-        return bool(getattr(self.quant, "shifts_layers", lambda: False)())
-
-    def _layer_shift(self, layer_idx: int) -> int:
-        return self.quant.layer_shift(layer_idx) if self._shifts() else 0
-
-    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+    def plan(self, inputs: list[LayerInput], budget: float) -> ComposedPlan:
         """The first method's shape over layers, in total bytes; with the key shift, each layer's share scaled by
-        what its entries cost (a widened layer's more), the total unchanged."""
-        self._ragged = False  # once per prompt: a prompt's result does not depend on the prompts before it
-        budgets = self.first.layer_budgets(inputs, budget)
-        if not self._shifts():
-            return budgets
-        self.quant.layer_budgets(inputs, budget)  # ranks the layers for quant.layer_shift
-        x = inputs[0]
-        cost = torch.tensor([float(self.quant.nbytes(x.H, x.T, x.d, self.bits, self._layer_shift(i.layer_idx)))
-                             for i in inputs])
-        scaled = torch.tensor(budgets) * cost
-        return (scaled * (sum(budgets) / scaled.sum())).clamp(max=1.0).tolist()
+        what its entries cost (a widened layer's more), the total unchanged. A budget that leaves some layer less
+        than one quantized entry per head is refused here, naming the smallest that fits."""
+        plan = self._plan(inputs, budget)
+        need = [self._least(x, plan.shift(x.layer_idx)) for x in inputs]
+        full = [2 * x.H * x.T * x.d * 2 for x in inputs]
+        plain = frozenset(x.layer_idx for x, n, n_full in zip(inputs, need, full) if n > n_full)
 
-    def _quant_nbytes(self, x: LayerInput, n: int, bias: bool) -> int:
+        def fits(fractions) -> bool:
+            return all(f * n_full >= n for x, f, n_full, n in zip(inputs, fractions, full, need)
+                       if x.layer_idx not in plain)
+        if not fits(plan.fractions):
+            least = least_budget(lambda b: fits(self._plan(inputs, b).fractions), budget)
+            if least is None:  # no budget pays for the codes in those layers: their entries stay unquantized
+                plain |= {x.layer_idx for x, f, n_full, n in zip(inputs, plan.fractions, full, need) if f * n_full < n}
+            else:
+                raise KVSumError(f"{self.name}: the budget {budget:.4f} does not fit one entry per head in every "
+                                 f"layer at {self.bits} bits (fixed costs of {self.quant.name}); the smallest budget "
+                                 f"that fits: {least:.3f}")
+        return dataclasses.replace(plan, plain=plain)
+
+    def _plan(self, inputs: list[LayerInput], budget: float) -> ComposedPlan:
+        first = self.first.plan(inputs, budget)
+        budgets, shifts = list(first.fractions), {}
+        if self.quant.shifts_layers:
+            shifts = self.quant.plan(inputs, budget).shifts  # the layers ranked for the key shift
+            x = inputs[0]
+            cost = torch.tensor([float(self.quant.nbytes(x.H, x.T, x.d, self.bits, shift=shifts.get(i.layer_idx, 0)))
+                                 for i in inputs])
+            scaled = torch.tensor(budgets) * cost
+            budgets = (scaled * (sum(budgets) / scaled.sum())).clamp(max=1.0).tolist()
+        return ComposedPlan(tuple(budgets), shifts, first)
+
+    def _least(self, x: LayerInput, shift: int) -> int:
+        """The fewest bytes layer x can hold: one entry per head with a bias, by the lighter quantizer if any."""
+        quant = self.quant.lighter(x.d) or self.quant
+        return min(self._quant_nbytes(x, 1, True, False, q, shift) for q in (self.quant, quant))
+
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> ComposedState:
+        """One layer alone (no earlier layer of the prompt kept ragged heads)."""
+        return self._compress(x, plan, False)[0]
+
+    def compress_layers(self, inputs: list[LayerInput], plan: Plan) -> list[ComposedState]:
+        """All layers in order: once a layer's first method keeps ragged heads, later layers count the head index
+        in their entries' bytes (summary's entropy allocation does in every layer, so only the first layer is
+        compressed twice)."""
+        states, ragged = [], False
+        for x in inputs:
+            state, ragged = self._compress(x, plan, ragged)
+            states.append(state)
+        return states
+
+    def _quant_nbytes(self, x: LayerInput, n: int, bias: bool, ragged: bool, quant: Quantizer, shift: int) -> int:
         """Bytes of n quantized entries per head (with fp16 biases, and a head index per entry where the first
-        method kept ragged heads in an earlier layer of this prompt: summary's entropy allocation does in every
-        layer, so only the first layer is compressed twice)."""
-        q = self.quant
-        inner = (q.nbytes(x.H, n, x.d, self.bits, x.storage) if q.name == "kivi"
-                 else q.nbytes(x.H, n, x.d, self.bits, self._layer_shift(x.layer_idx)))
-        index = (1 if x.H <= 127 else 2) if self._ragged else 0
+        method kept ragged heads in an earlier layer of this prompt)."""
+        inner = quant.nbytes(x.H, n, x.d, self.bits, shift=shift, storage=x.storage)
+        index = (1 if x.H <= 127 else 2) if ragged else 0
         return inner + (2 * bias + index) * x.H * n
 
-    def _target(self, x: LayerInput, bias: bool) -> int:
+    def _target(self, x: LayerInput, bias: bool, ragged: bool, quant: Quantizer, shift: int) -> int:
         """The first method's budget: the 16-bit bytes of the most entries per head whose quantized bytes fit."""
         lo, hi = 0, x.T
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._quant_nbytes(x, mid, bias) <= x.budget_bytes else (lo, mid - 1)
+            fits = self._quant_nbytes(x, mid, bias, ragged, quant, shift) <= x.budget_bytes
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
         if lo == 0:
             full = 2 * x.H * x.T * x.d * 2
-            raise KVSumError(f"{self.name}: the budget {x.budget_bytes / full:.4f} does not fit one entry per head "
-                             f"at {self.bits} bits (fixed costs of {self.quant.name}); raise the budget or lower bits")
+            need = self._quant_nbytes(x, 1, bias, ragged, quant, shift)
+            raise KVSumError(f"{self.name}: the budget {x.budget_bytes / full:.4f} of layer {x.layer_idx} does not fit "
+                             f"one entry per head at {self.bits} bits (fixed costs of {quant.name}); raise the budget "
+                             f"or lower bits ({budget_hint(need, full).replace('budget', 'layer budget')})")
         return lo * x.H * x.entry_bytes(bias)
 
-    def _build(self, keys: Tensor, values: Tensor, layer_idx: int, storage: torch.dtype, all_coded: bool = False):
-        if self.quant.name == "kivi":
-            if all_coded:  # decoded tokens: every one coded, none of them a sink
-                return self.quant.build(keys, values, self.bits, storage, keys.shape[1], sinks=0)
-            return self.quant.build(keys, values, self.bits, storage)
-        return self.quant.build(keys, values, self.bits, layer_idx, self._layer_shift(layer_idx))
-
-    def compress(self, x: LayerInput) -> ComposedState:
+    def _compress(self, x: LayerInput, plan: Plan | None, ragged: bool) -> tuple[ComposedState, bool]:
+        """The layer's state, and whether this or an earlier layer kept ragged heads."""
+        shift = plan.shift(x.layer_idx) if isinstance(plan, KeyShiftPlan) and self.quant.shifts_layers else 0
+        first_plan = plan.first if isinstance(plan, ComposedPlan) else None
+        if isinstance(plan, ComposedPlan) and x.layer_idx in plan.plain:  # too few tokens to pay for the codes
+            state = self.first.compress(x, first_plan)
+            state.note = f"entries kept unquantized: {self.quant.name}'s fixed costs exceed the layer's full bytes"
+            return state, ragged
+        quant, note = self.quant, ""
+        light = self.quant.lighter(x.d)
+        if light is not None and self._quant_nbytes(x, 1, True, ragged, quant, shift) > x.budget_bytes >= \
+                self._quant_nbytes(x, 1, True, ragged, light, shift):
+            quant, note = light, self.quant.lighter_note()
         bias = True  # assume fitted entries with biases; redo once without if the first method keeps plain ones
-        target = self._target(x, bias)
+        target = self._target(x, bias, ragged, quant, shift)
         for _ in range(3):  # entry counts of ragged heads differ a little from the estimate: shrink if over
-            kept = self.first.compress(dataclasses.replace(x, budget_bytes=target))
+            kept = self.first.compress(dataclasses.replace(x, budget_bytes=target), first_plan)
             if not isinstance(kept, EntryState):
                 raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
                                  "entries can be quantized (for summary: lowrank_share=0)")
-            state = self.quantize(kept, x)
-            if not kept.uniform and not self._ragged:  # count the head index from now on (see _quant_nbytes)
-                self._ragged = True
+            state = self.quantize(kept, x, quant, shift, note)
+            ragged = ragged or not kept.uniform  # count the head index from now on (see _quant_nbytes)
             if bias and kept.bias is None:
-                bias, target = False, self._target(x, False)
+                bias, target = False, self._target(x, False, ragged, quant, shift)
                 continue
             if state.nbytes() <= x.budget_bytes:
                 break
             target = int(target * 0.98 * x.budget_bytes / state.nbytes())
-        self._storage[x.layer_idx] = x.storage
-        return state
+        return state, ragged
 
-    def quantize(self, kept: EntryState, x: LayerInput) -> ComposedState:
+    def quantize(self, kept: EntryState, x: LayerInput, quant: Quantizer | None = None, shift: int = 0,
+                 note: str = "") -> ComposedState:
+        """The kept entries of layer x coded by `quant` (default: the composition's) with key shift `shift`."""
+        quant = quant or self.quant
         k, v, lengths = kept.keys.float(), kept.values.float(), kept.lengths()
         if kept.uniform:
-            inner = self._build(k.view(x.H, lengths[0], x.d), v.view(x.H, lengths[0], x.d), x.layer_idx, x.storage)
+            k, v = k.view(x.H, lengths[0], x.d), v.view(x.H, lengths[0], x.d)
         else:
-            inner = self._build(k[None], v[None], x.layer_idx, x.storage)
+            k, v = k[None], v[None]
+        inner = quant.build(k, v, self.bits, layer_idx=x.layer_idx, shift=shift, storage=x.storage)
         bias = kept.bias.half() if kept.bias is not None else None
-        return ComposedState(inner, lengths, bias, kept.head_of)
+        return ComposedState(inner, lengths, bias, kept.head_of, quant, shift, x.storage, note)
 
     def stream(self, layer_idx: int, state) -> QuantStream | None:
-        storage = self._storage.get(layer_idx, torch.float16)
+        if not isinstance(state, ComposedState):
+            return None
         return QuantStream(self.quant.group, self.quant.residual,
-                           new=lambda k, v: self._build(k, v, layer_idx, storage, all_coded=True))
-
-
-def compose(name: str, **knobs) -> Composed:
-    """The Composed method of a name "first+quantizer", its knobs routed (see the module docstring)."""
-    from .base import make_method
-
-    parts = name.split("+")
-    if len(parts) != 2 or not all(parts):
-        raise KVSumError(f"a composed method is 'method+quantizer' (e.g. 'summary+turboquant'), got {name!r}")
-    first, quant = parts
-    for p in parts:
-        if p not in REGISTRY:
-            raise KVSumError(f"unknown method {p!r} in {name!r}; accepted: {', '.join(sorted(REGISTRY))}")
-    if quant not in QUANTIZERS:
-        raise KVSumError(f"{name!r}: the second method must be a quantizer; accepted: {', '.join(QUANTIZERS)}")
-    if first in QUANTIZERS or first == "full":
-        raise KVSumError(f"{name!r}: the first method must select or fit entries (eviction or summary), got {first!r}")
-    own = {first: set(REGISTRY[first].knobs()), quant: set(REGISTRY[quant].knobs())}
-    routed = {first: {}, quant: {}}
-    for key, value in knobs.items():
-        for m in parts:
-            if key.startswith(m + "_") and key[len(m) + 1:] in own[m]:
-                routed[m][key[len(m) + 1:]] = value
-                break
-        else:
-            holders = [m for m in parts if key in own[m]]
-            if len(holders) == 2:
-                raise KVSumError(f"{name!r}: knob {key!r} belongs to both methods; "
-                                 f"write {first}_{key} or {quant}_{key}")
-            if not holders:
-                accepted = sorted(f"{m}_{k}" if k in own[first] & own[quant] else k for m in parts for k in own[m])
-                raise KVSumError(f"{name!r} has no knob {key!r}; accepted: {', '.join(dict.fromkeys(accepted))}")
-            routed[holders[0]][key] = value
-    exact = sorted(set(routed[quant]) & set(EXACT_KNOBS))
-    if exact:
-        raise KVSumError(f"{name!r}: {quant}'s exact prompt tokens ({', '.join(exact)}) do not apply in a composition: "
-                         f"{quant} codes every entry {first} keeps, and {first} decides what stays exact")
-    if routed[quant].get("pre_rope"):
-        raise KVSumError(f"{name!r}: {quant}'s pre_rope un-rotates each key by its position, and {first} keeps "
-                         "entries whose positions the codes do not get; drop pre_rope in a composition")
-    if quant == "turboquant":
-        routed[quant].setdefault("key_shift", 0)  # off unless asked for (see the module docstring)
-    return Composed(first=make_method(first, **routed[first]), quant=make_method(quant, **routed[quant]))
+                           new=lambda k, v: state.quant.build(k, v, self.bits, layer_idx=layer_idx, shift=state.shift,
+                                                              storage=state.storage, decoded=True))

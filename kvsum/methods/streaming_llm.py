@@ -5,17 +5,25 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import KVSumError
-from .base import LayerInput, Method, register
+from ..state import LayerState
+from .base import LayerInput, Method, Plan
+from .registry import register
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class StreamingLLM(Method):
+    """Keep the attention sinks and the most recent tokens, as many as the budget allows.
+
+    Attributes:
+        sinks: first tokens always kept (attention sinks); the rest of each head's entries are the newest.
+    """
+
     name = "streaming_llm"
     summary = "attention sinks + recent window (Xiao et al., 2023)"
     sinks: int = 4
 
-    def compress(self, x: LayerInput):
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> LayerState:
         if self.sinks < 0:
             raise KVSumError(f"sinks must be >= 0, got {self.sinks}")
         n = x.entries_per_head()

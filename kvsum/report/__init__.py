@@ -16,7 +16,8 @@ from pathlib import Path
 from . import render, rules
 from .evaluate import evaluate
 from .perf import from_files, scaling, throughput
-from .specs import Store, method_specs
+from .specs import Store, label, method_specs
+from .stability import markdown as stability_markdown
 
 __all__ = ["Settings", "build", "method_specs"]
 
@@ -36,11 +37,20 @@ class Settings:
     scaling_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     timings: str = "auto"  # auto: benchmarks/perf.py's results if all present, else measure; measure; files; none
     threads: int = 2
-    perf_dir: str = "benchmarks/results"
+    perf_dir: str = "benchmarks/results/perf"
+
+
+BYTES = "bytes / 16-bit full cache"  # what every bytes ratio of the report is a fraction of
 
 
 def _f(v, spec=".3f", none="-"):
     return none if v is None else format(v, spec)
+
+
+def _bytes(r: dict, info: dict) -> str:
+    """A row's bytes ratio; the full cache's row names its dtype (fp32 entries hold twice the 16-bit bytes)."""
+    dtype = info.get("dtype")
+    return f"{r['ratio']:.3f}" + (f" ({dtype} entries)" if r["method"] == "full" and dtype else "")
 
 
 def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = None, progress: bool = True,
@@ -48,9 +58,9 @@ def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = Non
           model=None, tokenizer=None) -> dict:
     """Measure what is missing (until `deadline`), then write report.html/.md/.json into `out_dir`."""
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..eval.report import meta
+    from ..extras import progress as progress_bar
 
     specs, notes = method_specs(s.methods, s.model)
     eval_specs = [("full", {})] + [sp for sp in specs if sp[0] != "full"]
@@ -67,12 +77,9 @@ def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = Non
     if measure:
         total += len(perf_specs) * (len(s.short_lengths) + len(s.scaling_lengths))
     t0 = time.time()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not progress) as bar:
-        job = bar.add_task("report", total=total)
-
+    with progress_bar("report", total, enabled=progress) as bar:
         def tick(desc):
-            bar.update(job, description=desc, advance=1)
+            bar.advance(desc)
 
         rows, ok_eval, errors = evaluate(model, tokenizer, s.model, s.tasks, eval_specs, s.budgets, s.length, s.n,
                                          s.seed, store, deadline, tick)
@@ -93,7 +100,8 @@ def build(s: Settings, out_dir: Path, store: Store, deadline: float | None = Non
     info = meta(s.model, command, settings=asdict(s), complete=complete, cached=store.hits,
                 computed=store.misses, wall_s=round(time.time() - t0, 1))
     info["timing_source"] = files[2] if files else ("measured" if measure else None)
-    blocks = _blocks(s, rows, tp, sc, comp, recs, stab, notes, errors, info, [m for m, _ in eval_specs])
+    info["dtype"] = str(getattr(model, "dtype", "")).removeprefix("torch.")
+    blocks = _blocks(s, rows, tp, sc, comp, recs, stab, notes, errors, info, [label(*sp) for sp in eval_specs])
     html_path, md_path = render.render(blocks, out_dir, f"kvsum decision report: {s.model}")
     data = dict(meta=info, rows=rows, throughput=tp, scaling=sc, complexity=comp, recommendations=recs,
                 errors=errors, notes=notes)
@@ -112,6 +120,8 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
     b.append(("p", f"Evaluation: tasks {', '.join(s.tasks)} at {s.length} tokens, n = {s.n} examples per task "
                    f"(seed {s.seed}), budgets {', '.join(f'{x:g}' for x in s.budgets)}. Budgets and bytes are "
                    "fractions of the full cache at 16 bits; bytes held is `cache.nbytes()` after compression. "
+                   f"The full cache itself keeps the model's dtype ({info.get('dtype') or '?'}), so its ratio is the "
+                   "size of that dtype over 16 bits (2 for fp32). "
                    "Retrieval scores are accuracy %, beside the full cache on the same examples; lm scores are "
                    "KL(full || compressed) over 128 teacher-forced tokens. With n this small a retrieval score moves "
                    f"in steps of {100 / s.n:.0f} points: read the plots for trends, not single points."))
@@ -122,6 +132,7 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
     b.append(("table", ["case", "recommendation", "numbers it rests on"],
               [[r["case"], r["advice"], r["evidence"]] for r in recs]))
     b.append(("h2", "Accuracy against bytes held"))
+    rows = [dict(r, method=label(r["method"], r.get("knobs") or {})) for r in rows]  # a configuration's spec
     for task in s.tasks:
         if any(r["task"] == task for r in rows):
             b.append(("plot", f"pareto_{task}", render.pareto(rows, task, methods)))
@@ -130,10 +141,10 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
         if not sub:
             continue
         lm = "kl" in sub[0]
-        head = ["method", "budget", "bytes ratio"] + (["KL", "top-1 %", "ppl ratio"] if lm else ["score %", "full %"]) \
+        head = ["method", "budget", BYTES] + (["KL", "top-1 %", "ppl ratio"] if lm else ["score %", "full %"]) \
             + ["compress s"]
         b.append(("p", f"**{task}**"))
-        b.append(("table", head, [[r["method"], f"{r['budget']:g}", f"{r['ratio']:.3f}"]
+        b.append(("table", head, [[r["method"], f"{r['budget']:g}", _bytes(r, info)]
                                   + ([f"{r['kl']:.4f}", f"{r['top1']:.1f}", f"{r['ppl_ratio']:.4f}"] if lm
                                      else [f"{r['score']:.0f}", f"{r['full_score']:.0f}"])
                                   + [f"{r['compress_s']:.2f}"] for r in sub]))
@@ -153,7 +164,7 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
                            "that benchmark measures."))
         if tp:
             b.append(("plot", "throughput", render.throughput_bars(tp)))
-            b.append(("table", ["prompt", "method", "tok/s", "full tok/s", "ratio", "bytes ratio"],
+            b.append(("table", ["prompt", "method", "tok/s", "full tok/s", "ratio", BYTES],
                       [[r["length"], r["method"], _f(r["tok_s"], ".1f"), _f(r["full_tok_s"], ".1f"),
                         _f(r["ratio_to_full"], ".2f"), _f(r["bytes_ratio"])] for r in tp]))
         if sc:
@@ -179,13 +190,12 @@ def _blocks(s: Settings, rows, tp, sc, comp, recs, stab, notes, errors, info, me
                for c in comp]))
     b.append(("h2", "Numerical stability"))
     if stab:
-        from ..stability import markdown as stab_md
-
         st = stab["summary"]
-        b.append(("p", "From `kvsum stability` (benchmarks/results/stability.json): " + stab.get("command", "")))
+        b.append(("p", "From `kvsum stability` (benchmarks/results/stability/stability.json): "
+                  + stab.get("command", "")))
         b.append(("plot", "stability_layers", render.stability_layers(st)))
         b.append(("plot", "stability_methods", render.stability_methods(st)))
-        text = stab_md(stab)
+        text = stability_markdown(stab)
         for para in text.split("\n\n")[1:]:
             lines = para.strip().splitlines()
             if lines and lines[0].startswith("|"):

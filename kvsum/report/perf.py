@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..compress import compress_prefill, prefill
+from ..compress import compress_prefill
 from ..errors import KVSumError
 from ..eval.tasks import LMFidelity, example_seed
 from ..methods import make_method, prefill_needs
+from ..prefill import prefill
 from .specs import Store
 
 

@@ -14,7 +14,11 @@ import io
 import re
 from pathlib import Path
 
-import matplotlib
+from ..extras import require_eval
+
+require_eval("kvsum.report", ("matplotlib",), error=ImportError)  # one line naming the extra, not a traceback
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

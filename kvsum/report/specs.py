@@ -7,46 +7,65 @@ import json
 from pathlib import Path
 
 from ..errors import KVSumError
-from ..methods import REGISTRY
+from ..methods import REGISTRY, make_method
+from ..spec import Spec, format_spec, parse_spec
 
 
 def artifact_path(model_name: str) -> Path:
-    """Where `kvsum calibrate --model M` writes the reconstruction artifact by default."""
+    """Where `kvsum calibrate --model M` wrote the reconstruction artifact before artifacts were named by the
+    model's fingerprint; a file there is still passed on as `artifact=`."""
     from ..models import cache_dir
 
     return cache_dir() / f"{Path(model_name).name}-reconstruct.kvsum"
 
 
-def method_specs(names: list[str] | None, model_name: str, skip: tuple[str, ...] = ()) -> tuple[list, list[str]]:
-    """(name, knobs) for each method and notes on those left out. "all" stands for every registered method;
+def _calibrated(method: str) -> bool:
+    """Whether `kvsum calibrate` saved an artifact for `method` under the cache (named by a model fingerprint:
+    the method finds the one of its model, and says so clearly when it does not)."""
+    from ..models import cache_dir
+
+    folder = cache_dir() / "calibration"
+    return any(folder.glob(f"*.{method}.kvsum")) or any(folder.glob("*.all.kvsum"))
+
+
+def method_specs(names: list | None, model_name: str, skip: tuple[str, ...] = ()) -> tuple[list, list[str]]:
+    """(name, knobs) for each method and notes on those left out. A name may be a spec string
+    ("summary:score=surprisal") or a kvsum.spec.Spec; "all" stands for every registered method;
     compositions ("summary+turboquant") are named explicitly.
 
-    Methods with an `artifact` knob get the default calibration artifact; without one they are left out
+    Methods with an `artifact` knob run on the model's calibration artifact; without one they are left out
     with a note saying how to make it (rather than failing the whole run).
     """
-    names = names or ["all"]
-    names = list(dict.fromkeys(n for item in names for n in (sorted(REGISTRY) if item == "all" else [item])))
-    specs, notes = [], []
-    for name in names:
-        if "+" in name:  # a composition "a+b" (kvsum/methods/compose.py): make_method checks it
-            from ..methods import make_method
-
-            make_method(name)
-        elif name not in REGISTRY:
+    given = [n if isinstance(n, Spec) else parse_spec(n) for n in names or ["all"]]
+    items = [s for g in given for s in ([Spec(n, {}) for n in sorted(REGISTRY)] if g == ("all", {}) else [g])]
+    specs, notes, seen = [], [], set()
+    for name, knobs in items:
+        key_ = (name, repr(knobs))
+        if key_ in seen:
+            continue
+        seen.add(key_)
+        if "+" not in name and name not in REGISTRY:
             raise KVSumError(f"unknown method {name!r}; accepted: all, {', '.join(sorted(REGISTRY))} "
                              "or a composition such as summary+turboquant")
+        if knobs or "+" in name:
+            make_method(name, **knobs)  # a bad knob or composition fails here, before any model work
         if name in skip:
             continue
-        knobs = {}
-        if "+" not in name and "artifact" in REGISTRY[name].knobs():
+        knobs = dict(knobs)
+        if "+" not in name and "artifact" in REGISTRY[name].knobs() and "artifact" not in knobs:
             path = artifact_path(model_name)
-            if not path.is_file():
-                notes.append(f"{name}: left out, no calibration artifact at {path} (run `kvsum calibrate "
-                             f"--model {model_name}`)")
+            if path.is_file():
+                knobs["artifact"] = str(path)
+            elif not _calibrated(name):
+                notes.append(f"{name}: left out, no calibration artifact (run `kvsum calibrate --model {model_name}`)")
                 continue
-            knobs["artifact"] = str(path)
         specs.append((name, knobs))
     return specs, notes
+
+
+def label(name: str, knobs: dict) -> str:
+    """How a report names a configuration: its spec string, without the artifact path method_specs adds."""
+    return format_spec(Spec(name, {k: v for k, v in knobs.items() if k != "artifact"}))
 
 
 def key(**fields) -> str:

@@ -9,17 +9,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerInput, register
+from ..base import LayerInput
+from ..registry import register
 from .scoring import Eviction
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class ExpectedAttention(Eviction):
+    """Keys scored by their expected attention under a Gaussian fit of the reference queries, times |v|.
+
+    Attributes:
+        allocation: budget allocation over layers and heads: uniform, pyramid or adaptive (see Eviction).
+        sinks: first tokens always kept.
+    """
+
     name = "expected_attention"
     summary = "keys scored by their attention under a Gaussian model of queries, times |v| (Devoto et al., 2025)"
     needs_queries = True
-    sinks: int = 4  # first tokens always kept
+    sinks: int = 4
 
     def __post_init__(self):
         super().__post_init__()

@@ -4,17 +4,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerInput, register
+from ..base import LayerInput
+from ..registry import register
 from .scoring import Eviction, group_attention
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class H2O(Eviction):
+    """Heavy hitters (most attention received from the reference queries) plus the most recent tokens.
+
+    Attributes:
+        allocation: budget allocation over layers and heads: uniform, pyramid or adaptive (see Eviction).
+        recent: fraction of each head's entries given to the most recent tokens.
+    """
+
     name = "h2o"
     summary = "accumulated attention (heavy hitters) + recent window (Zhang et al., 2023)"
     needs_queries = True
-    recent: float = 0.5  # fraction of each head's entries given to the most recent tokens
+    recent: float = 0.5
 
     def __post_init__(self):
         super().__post_init__()

@@ -2,13 +2,20 @@
 
 from dataclasses import dataclass
 
-from ..base import LayerInput, register
+from ..base import LayerInput
+from ..registry import register
 from .scoring import Eviction
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class KNorm(Eviction):
+    """Keep the keys with the smallest L2 norm; reads no queries.
+
+    Attributes:
+        allocation: budget allocation over layers and heads: uniform, pyramid or adaptive (see Eviction).
+    """
+
     name = "knorm"
     summary = "keep the keys with the smallest L2 norm (query-free)"
 

@@ -12,19 +12,29 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerInput, register
+from ..base import LayerInput
+from ..registry import register
 from .scoring import Eviction, group_attention, pool1d, time_order
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class ReSTKV(Eviction):
+    """Keep the pairs whose removal would change the attention output most, smoothed in time and space.
+
+    Attributes:
+        allocation: budget allocation over layers and heads: uniform, pyramid or adaptive (see Eviction).
+        window: most recent entries always kept.
+        ema: weight of the past in the moving average over query steps, in [0, 1).
+        pool: neighbourhood of the spatial smoothing, odd (1 disables it).
+    """
+
     name = "restkv"
     summary = "output error caused by removing each pair, smoothed in time and space (An et al., 2026)"
     needs_queries = True
-    window: int = 64  # most recent entries always kept
-    ema: float = 0.98  # weight of the past in the moving average over query steps
-    pool: int = 5  # neighbourhood of the spatial smoothing (1 disables it)
+    window: int = 64
+    ema: float = 0.98
+    pool: int = 5
 
     def __post_init__(self):
         super().__post_init__()

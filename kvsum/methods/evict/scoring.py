@@ -15,15 +15,15 @@ from torch import Tensor
 
 from ...errors import KVSumError
 from ...state import LayerState
-from ..base import LayerInput, Method
+from ..base import LayerInput, Method, Plan
 from .allocation import ALLOCATIONS, pyramid_budgets, select
 
 
 def group_attention(x: LayerInput, h: int, rows: Tensor | None = None) -> Tensor:
     """Causal softmax attention (G, m, T) of KV head h's query group (reference queries `rows`) over the prompt keys.
 
-    Computed one KV head at a time in float32, so memory is G x n x T per call (about 25 MB at
-    G=3, n=256, T=8192) instead of Hq x n x T for the whole layer.
+    Computed one KV head at a time in float32, so memory is G x n x T per call instead of Hq x n x T for the
+    whole layer.
     """
     if x.queries is None or x.query_pos is None:
         raise KVSumError("this eviction method needs the reference queries (LayerInput.queries)")
@@ -54,9 +54,14 @@ def pool1d(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
     return fn(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Eviction(Method):
-    """Base of the eviction methods: `allocation` spreads the entries over layers/heads (uniform|pyramid|adaptive)."""
+    """Base of the eviction methods: a scorer (`score`, `protect`) under a budget allocation.
+
+    Attributes:
+        allocation: how entries are spread: "uniform" (every head alike), "pyramid" (layer budgets decrease
+            with depth, PyramidKV) or "adaptive" (heads of a layer compete in one top-k, AdaKV).
+    """
 
     allocation: str = "uniform"
 
@@ -87,11 +92,12 @@ class Eviction(Method):
         """(first, last): positions always kept when a head holds n entries (sinks, recent window)."""
         return 0, 0
 
-    def layer_budgets(self, inputs: list[LayerInput], budget: float) -> list[float]:
+    def plan(self, inputs: list[LayerInput], budget: float) -> Plan:
+        """Pyramid allocation spreads the budget over layers (decreasing with depth); else every layer alike."""
         if self.allocation == "pyramid":
-            return pyramid_budgets(len(inputs), budget)
-        return super().layer_budgets(inputs, budget)
+            return Plan(tuple(pyramid_budgets(len(inputs), budget)))
+        return super().plan(inputs, budget)
 
-    def compress(self, x: LayerInput) -> LayerState:
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> LayerState:
         scores = self.score(x)
         return x.keep(select(x, scores, self.allocation, self.protect))

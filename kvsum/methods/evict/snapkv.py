@@ -4,18 +4,27 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerInput, register
+from ..base import LayerInput
+from ..registry import register
 from .scoring import Eviction, group_attention, pool1d
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class SnapKV(Eviction):
+    """The observation window's queries vote for keys; votes pooled along positions, top-k per head.
+
+    Attributes:
+        allocation: budget allocation over layers and heads: uniform, pyramid or adaptive (see Eviction).
+        window: observation window: its queries vote, its entries are always kept.
+        kernel: width of the average pooling along positions, odd.
+    """
+
     name = "snapkv"
     summary = "observation-window queries vote per key, pooled, top-k per head (Li et al., 2024)"
     needs_queries = True
-    window: int = 64  # observation window: its queries vote, its entries are always kept
-    kernel: int = 5  # average pooling along positions
+    window: int = 64
+    kernel: int = 5
 
     def __post_init__(self):
         super().__post_init__()

@@ -4,13 +4,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import LayerInput, register
+from ..base import LayerInput
+from ..registry import register
 from .scoring import Eviction, group_attention
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class TOVA(Eviction):
+    """Keep what the last prompt token attends to (averaged over its query group), per KV head.
+
+    Attributes:
+        allocation: budget allocation over layers and heads: uniform, pyramid or adaptive (see Eviction).
+    """
+
     name = "tova"
     summary = "attention of the last query, per KV head (Oren et al., 2024)"
     needs_queries = True

@@ -18,7 +18,9 @@ from torch import Tensor
 
 from ...errors import KVSumError
 from ...state import tensor_bytes
-from ..base import LayerInput, Method, register
+from ..base import LayerInput, Plan
+from ..quantizer import Quantizer
+from ..registry import register
 from . import native
 from .packing import Packed, packed_nbytes, pick_bits
 from .stream import QuantStream
@@ -153,15 +155,25 @@ class KIVIState:
 
 
 @register
-@dataclass
-class KIVI(Method):
-    """`bits` 2 or 4 (None: the largest that fits the budget); `group` tokens per key scale and channels per
-    value scale (at most the head dim); the newest `residual` prompt tokens stay in full precision, and the
-    first `sinks` too: the paper codes them (sinks=0), but an attention sink's key is an outlier in its group
-    (the code error of its logit moves the mass of every other token) and its codes widen the group's scales."""
+@dataclass(frozen=True)
+class KIVI(Quantizer):
+    """Asymmetric min/max integer codes: keys per channel over groups of tokens, values per token over groups of
+    channels, the newest prompt tokens in full precision.
+
+    Attributes:
+        bits: 2 or 4; None: the largest that fits the budget.
+        group: tokens per key scale and channels per value scale (at most the head dim).
+        residual: the newest prompt tokens kept in full precision (the decoding window too).
+        sinks: the first prompt tokens kept in full precision; the paper codes them (0), but an attention
+            sink's key is an outlier in its group and its codes widen the group's scales.
+    """
 
     name = "kivi"
     summary = "per-channel keys, per-token values, 2/4-bit asymmetric codes + fp16 recent tokens (Liu et al., 2024)"
+    supported_bits = SUPPORTED
+    default_bits = 2
+    exact_knobs = ("sinks",)
+
     bits: int | None = None
     group: int = 32
     residual: int = 128
@@ -177,28 +189,34 @@ class KIVI(Method):
             raise KVSumError(f"kivi: group={self.group} does not divide the head dim {d}")
         return max(0, (T - min(self.sinks, T) - self.residual) // self.group * self.group), ch
 
-    def nbytes(self, H: int, T: int, d: int, bits: int, storage: torch.dtype = torch.float16) -> int:
-        """Exactly what a state of (H, T, d) keys and values at `bits` holds."""
+    def nbytes(self, H: int, T: int, d: int, bits: int, *, shift: int = 0,
+               storage: torch.dtype = torch.float16) -> int:
+        """Exactly what a state of (H, T, d) keys and values at `bits` holds (exact tokens in `storage`; keys
+        are not shifted between layers)."""
         n_q, ch = self.layout(T, d)
         codes = 2 * packed_nbytes(H * n_q * d, bits)
         scales = 2 * 2 * H * (n_q // self.group) * d + 2 * 2 * H * n_q * (d // ch)  # fp16 scale + min
         return codes + scales + 2 * H * (T - n_q) * d * storage.itemsize
 
-    def compress(self, x: LayerInput) -> KIVIState:
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> KIVIState:
         n_q, ch = self.layout(x.T, x.d)
         full = 2 * x.H * x.T * x.d * 2
         hint = f"; {x.T - n_q} of {x.T} tokens stay in full precision (a smaller residual= frees bytes)"
-        bits = pick_bits("kivi", self.bits, SUPPORTED, lambda b: self.nbytes(x.H, x.T, x.d, b, x.storage),
+        bits = pick_bits("kivi", self.bits, SUPPORTED, lambda b: self.nbytes(x.H, x.T, x.d, b, storage=x.storage),
                          x.budget_bytes, full, hint)
-        return self.build(x.keys, x.values, bits, x.storage, n_q)
+        return self.build(x.keys, x.values, bits, storage=x.storage)
 
-    def build(self, keys: Tensor, values: Tensor, bits: int, storage: torch.dtype, n_q: int | None = None,
-              sinks: int | None = None) -> KIVIState:
-        """The state of keys and values (H, T, d) fp32: the first `sinks` (default: the method's) exact, the next
-        `n_q` quantized (default: all whole groups before the `residual` window)."""
-        n, ch = self.layout(keys.shape[1], keys.shape[2])
-        return KIVIState(keys, values, bits, self.group, ch, n if n_q is None else n_q, storage,
-                         min(self.sinks if sinks is None else sinks, keys.shape[1]))
+    def build(self, keys: Tensor, values: Tensor, bits: int, *, layer_idx: int = 0, shift: int = 0,
+              storage: torch.dtype = torch.float16, decoded: bool = False, queries: Tensor | None = None,
+              n_q: int | None = None) -> KIVIState:
+        """The state of keys and values (H, T, d) fp32: the first `sinks` exact, the next `n_q` quantized
+        (default: the whole groups before the `residual` window); `decoded` tokens are all quantized, none of
+        them a sink (T a multiple of the group). Codes do not depend on the layer, a key shift or queries."""
+        T = keys.shape[1]
+        layout_n, ch = self.layout(T, keys.shape[2])
+        sinks = 0 if decoded else min(self.sinks, T)
+        n_q = T if decoded else layout_n if n_q is None else n_q
+        return KIVIState(keys, values, bits, self.group, ch, n_q, storage, sinks)
 
     def stream(self, layer_idx: int, state) -> QuantStream | None:
         return QuantStream(self.group, self.residual, live=state) if isinstance(state, KIVIState) else None

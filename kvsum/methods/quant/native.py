@@ -1,7 +1,7 @@
 """The packed-code attention kernel (codes.c): scores and mixes straight from packed codes.
 
 Eager PyTorch has no operation that reads 3-bit codes, so its path expands every code to a float32 level
-in memory at each decoding step (12x the packed bytes for 3-bit codes) and then multiplies. The kernel
+in memory at each decoding step (a float32 for every code of a few bits) and then multiplies. The kernel
 decodes eight codes at a time in registers and multiplies them there, which is what makes a coded cache
 faster to attend than the full one it replaces. It is compiled on first use with the machine's C compiler
 (AVX2 and FMA required) and cached beside the converted models; without a compiler, on a CPU without

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
+from ..refusal import budget_hint
 from . import native
 
 
@@ -128,9 +129,10 @@ class Packed:
 
 
 def pick_bits(method: str, bits, supported: Sequence, need: Callable[[float], int], budget_bytes: float,
-              full_bytes: float, hint: str = ""):
+              full_bytes: float, hint: str = "", ceiling: float | None = None):
     """The configured bit width if it fits the layer's budget, the largest supported one that fits if `bits`
-    is None; otherwise a KVSumError that says what each width needs and which fit."""
+    is None; otherwise a KVSumError that says what each width needs, which fit, and the smallest budget that
+    fits (the least of the width's bytes and `ceiling`, what the method holds where no width fits)."""
     if bits is not None and bits not in supported:
         raise KVSumError(f"{method}: bits={bits!r} is not supported; accepted: "
                          f"{', '.join(map(str, supported))} or None (largest that fits the budget)")
@@ -140,9 +142,11 @@ def pick_bits(method: str, bits, supported: Sequence, need: Callable[[float], in
             return fits[0]
         low = min(supported)
         raise KVSumError(f"{method}: no supported bit width fits the budget {budget_bytes / full_bytes:.3f}; "
-                         f"the smallest, bits={low}, needs {need(low) / full_bytes:.3f} of the full cache{hint}")
+                         f"the smallest, bits={low}, needs {need(low) / full_bytes:.3f} of the full cache{hint}; "
+                         f"{budget_hint(min(need(low), ceiling or need(low)), full_bytes)}")
     if bits not in fits:
         which = f"bits that fit: {', '.join(map(str, fits))}" if fits else "no supported bit width fits"
         raise KVSumError(f"{method}: bits={bits} needs {need(bits) / full_bytes:.3f} of the full cache, more than "
-                         f"the budget {budget_bytes / full_bytes:.3f}; {which} (bits=None picks the largest){hint}")
+                         f"the budget {budget_bytes / full_bytes:.3f}; {which} (bits=None picks the largest){hint}; "
+                         f"{budget_hint(min(need(bits), ceiling or need(bits)), full_bytes)}")
     return bits

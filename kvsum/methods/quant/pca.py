@@ -1,8 +1,8 @@
 """Keys as query-weighted transform codes (TurboQuant's `key_basis="pca"`).
 
 A random rotation makes every coordinate of a key equally important, which is what a data-blind quantizer
-needs; but real keys are far from isotropic (in SmolLM2 the geometric over the arithmetic mean of a head's
-key-covariance eigenvalues is 0.1-0.5) and the queries that read them are more anisotropic still. A query's
+needs; but real keys are far from isotropic (a head's key-covariance eigenvalues spread widely; see
+docs/results/quant.md) and the queries that read them are more anisotropic still. A query's
 logit error is q.e, so over the reference queries its mean square is sum_i w_i lam_i D(b_i) on the keys'
 principal axes (lam_i: key variance along axis i, w_i: mean squared query component along it, D(b): the
 Lloyd-Max distortion of a unit Gaussian at b bits). D is convex, so giving bits one at a time to the axis
@@ -20,7 +20,7 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from ...calibrate import rope_tables, rotate, unrotate
+from ...rope import rope_tables, rotate, unrotate
 from ...state import tensor_bytes
 from .codebook import encode, lloyd
 from .packing import Packed, packed_nbytes

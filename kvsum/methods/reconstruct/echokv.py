@@ -6,14 +6,16 @@ and from the previous layer's (EchoKV's observation: heads and adjacent layers a
 Channel level, not head level: with SmolLM2's 3 KV heads, heads would only allow 1/3 steps. Keys are
 stored and chosen in RoPE pairs (j, j + d/2), so the stored ones can be un-rotated: the maps are fitted
 before RoPE and the rebuilt channels are rotated at their positions (kvsum.calibrate says why). As in
-lowrank (see its docstring for the measurements), the first `sinks` tokens are stored whole and keys get
-`key_share` of the stored channels when the budget decides.
+lowrank, the first `sinks` tokens are stored whole and keys get `key_share` of the stored channels when the
+budget decides.
 
 Bytes: sink entries, the stored channels and their int16 channel indices. The ridge maps are per-model
 constants in the calibration artifact (its size is in `artifact.meta["nbytes"]`), not per-request memory,
 so no cache is charged for them. The state of layer i refers to layer i-1's state for its stored channels;
-those bytes are counted once, in layer i-1. Cost: every attention call rebuilds the layer's keys and
-values, O(T n k) multiply-adds, so decoding is slower than with a plain cache (no rebuilt tensor is kept).
+those bytes are counted once, in layer i-1. That link is made within one `compress_layers` call (the method
+holds nothing between calls); a layer compressed alone rebuilds from its own channels only. Cost: every
+attention call rebuilds the layer's keys and values, O(T n k) multiply-adds, so decoding is slower than with
+a plain cache (no rebuilt tensor is kept).
 
 Modes: `mode="compressed"` (default) fits `keep` or the budget; `mode="full"` stores every channel (no
 rebuild, needs budget 1.0). To switch per request, as EchoKV does for short contexts, compress short
@@ -30,10 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...calibrate import EchoPlan, artifact_of, layer_rope, rope_tables, rotate, unrotate
+from ...calibrate import Artifact, EchoPlan, artifact_for
 from ...errors import KVSumError
+from ...rope import layer_rope, rope_tables, rotate, unrotate
 from ...state import tensor_bytes
-from ..base import LayerInput, Method, register
+from ..base import LayerInput, Method, Plan
+from ..registry import register
 from .lowrank import split
 
 MODES = ("compressed", "full")
@@ -132,12 +136,18 @@ class EchoState:
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class EchoKV(Method):
-    """`artifact`: a kvsum.calibrate.Artifact or its path (a path is checked against the layer shapes only;
-    `Artifact.load(path, model)` also checks the weights). `keep`: fraction of the H*d channels stored, for keys
-    and values alike (None: as many as the budget allows, `key_share` of them for keys). `mode`: "compressed"
-    or "full" (store everything). `sinks`: first tokens stored whole."""
+    """Store a calibrated subset of each layer's channels, rebuild the rest from this and the previous layer.
+
+    Attributes:
+        artifact: a kvsum.calibrate.Artifact, its path (checked against the layer shapes; `Artifact.load(path,
+            model)` also checks the weights), or None: the one `kvsum calibrate` saved for this model.
+        keep: fraction of the H*d channels stored, for keys and values alike (None: as many as the budget allows).
+        mode: "compressed" (fit `keep` or the budget) or "full" (store every channel, needs budget 1).
+        key_share: with keep=None, the part of the stored channels spent on keys.
+        sinks: first tokens stored whole.
+    """
 
     name = "echokv"
     summary = "store calibrated KV channels, rebuild the rest by ridge from this and the previous layer (EchoKV, 2026)"
@@ -180,18 +190,29 @@ class EchoKV(Method):
                              f"{x.budget_bytes / full:.3f} (keep=None fits the budget)")
         return S, kk, kv
 
-    def compress(self, x: LayerInput) -> EchoState:
-        art = artifact_of(self, "echokv", x.n_layers, x.H, x.d)
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> EchoState:
+        """One layer alone: rebuilt from its own stored channels (no previous layer to read)."""
+        return self.compress_layers([x], plan)[0]
+
+    def compress_layers(self, inputs: list[LayerInput], plan: Plan | None) -> list[EchoState]:
+        """Every layer in order, each rebuilt from its own channels and those of the layer just before it."""
+        if not inputs:
+            return []
+        art = artifact_for(inputs[0], "echokv", self.artifact)
+        states, prev = [], None
+        for x in inputs:
+            prev = self._layer(x, art, prev)
+            states.append(prev)
+        return states
+
+    def _layer(self, x: LayerInput, art: Artifact, prev: EchoState | None) -> EchoState:
         S, kk, kv = self.layout(x)
         # the previous layer's stored channels help when that layer was compressed just before this one; after
         # an uncompressed (sliding-window) layer, a global layer is rebuilt from its own channels alone
-        prev = getattr(self, "_prev", None) if x.layer_idx > 0 else None
-        if prev is not None and (prev.layer_idx != x.layer_idx - 1 or prev.S != S):
+        if prev is not None and (x.layer_idx == 0 or prev.layer_idx != x.layer_idx - 1 or prev.S != S):
             prev = None
         kind = art.key_space()
         none = torch.empty(0, dtype=torch.long)
         plans = {w: art.echo_plan(kind if w == "k" else "v", x.layer_idx, k, prev.plans[w].sel.cpu() if prev else none)
                  for w, k in (("k", kk), ("v", kv))}
-        state = EchoState(x, S, plans, prev, layer_rope(art.rope, x.layer_idx) if kind == "k_pre" else None)
-        self._prev = state if x.layer_idx < x.n_layers - 1 else None
-        return state
+        return EchoState(x, S, plans, prev, layer_rope(art.rope, x.layer_idx) if kind == "k_pre" else None)

@@ -2,21 +2,18 @@
 
 Per layer, a token's keys (and, separately, its values) of all KV heads form one vector of n = H*d channels;
 it is stored as coefficients on the top PCA basis of calibration activations (kvsum.calibrate). One basis
-over all heads beats one per head at the same bytes (SmolLM2, held-out prose: relative error 0.18 against
-0.25 on pre-RoPE keys, 0.57 against 0.68 on values, at 16 coefficients per head). With `share_layers=2`
-(xKV), two adjacent layers share one set of coefficients on a basis of their joint 2n channels, which helps
-again at the same bytes (0.15 and 0.48), since adjacent layers are correlated.
+over all heads rather than one per head, since heads are correlated. With `share_layers=2` (xKV), two
+adjacent layers share one set of coefficients on a basis of their joint 2n channels, since adjacent layers
+are correlated too; the layers of a group are compressed together in one `compress_layers` call.
 
 Keys: `space="post"` projects the keys as cached (after RoPE); attention then never rebuilds them: the
 query is projected once per head (q B_h) and dotted with the coefficients, exact for the projection.
-`space="pre"` (default) projects the un-rotated keys, which are much closer to low rank (0.25 against 0.43
-relative error at 16 of 64 per head), and rebuilds and rotates the keys at each attention call. Values are
-mixed in the coefficient space and mapped back once.
+`space="pre"` (default) projects the un-rotated keys, which are much closer to low rank, and rebuilds and
+rotates the keys at each attention call. Values are mixed in the coefficient space and mapped back once.
 
-Two measured choices (SmolLM2, 1000-token prose, next-token KL over 40 tokens at budget 0.5): the first
-`sinks` tokens are stored exactly, because the attention sink's value is far from the calibrated subspace
-and it takes much of the attention (KL 0.90 -> 0.14 with one exact token); and keys get only `key_share` of
-the coefficients, because values are much less compressible (KL 0.14 at a 1/2 split, 0.05 at 1/4).
+Two choices (docs/results/reconstruct.md has the measurements): the first `sinks` tokens are stored exactly,
+because the attention sink's value is far from the calibrated subspace and it takes much of the attention;
+and keys get only `key_share` of the coefficients, because values are much less compressible.
 
 Bytes: sink entries and coefficients, in the storage dtype. Bases and means are per-model constants in the
 artifact (its size is in `artifact.meta["nbytes"]`), not per-request memory, so no cache is charged for them.
@@ -32,10 +29,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...calibrate import artifact_of, layer_rope, rope_tables, rotate, unrotate
+from ...calibrate import Artifact, artifact_for
 from ...errors import KVSumError
+from ...rope import layer_rope, rope_tables, rotate, unrotate
 from ...state import tensor_bytes
-from ..base import LayerInput, Method, register
+from ..base import LayerInput, Method, Plan
+from ..registry import register
 
 SPACES = ("pre", "post")
 
@@ -106,13 +105,19 @@ class LowRankState:
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class LowRank(Method):
-    """`artifact`: a kvsum.calibrate.Artifact or its path. `rank`: numbers stored per token for a layer group, keys
-    and values together, all KV heads (None: the most the budget allows); full rank is 2*share_layers*H*d.
-    `key_share`: the part of them spent on keys. `share_layers`: 1, or 2 for coefficients shared by adjacent
-    layers (a group takes its layers' budgets together). `space`: keys projected "pre" or "post" RoPE.
-    `sinks`: first tokens stored exactly."""
+    """Store each token's keys and values as coefficients on calibrated PCA bases.
+
+    Attributes:
+        artifact: a kvsum.calibrate.Artifact, its path, or None: the one `kvsum calibrate` saved for this model.
+        rank: numbers stored per token for a layer group, keys and values together, all KV heads (None: the
+            most the budget allows); full rank is 2 * share_layers * H * d.
+        key_share: the part of the rank spent on keys.
+        share_layers: 1, or 2 for coefficients shared by adjacent layers (a group takes its layers' budgets together).
+        space: keys projected "pre" (un-rotated) or "post" RoPE.
+        sinks: first tokens stored exactly.
+    """
 
     name = "lowrank"
     summary = "calibrated PCA bases, coefficients per token, attention in the reduced space (Palu / xKV, 2024-25)"
@@ -148,8 +153,26 @@ class LowRank(Method):
                              f"budget {x.budget_bytes / full:.3f}; rank <= {fits} fits (rank=None picks it)")
         return split(self.rank, self.key_share, width)
 
-    def compress(self, x: LayerInput) -> LowRankState:
-        art = artifact_of(self, "lowrank", x.n_layers, x.H, x.d)
+    def compress(self, x: LayerInput, plan: Plan | None = None) -> LowRankState:
+        """One layer alone: works when its group is the layer itself (share_layers=1)."""
+        return self.compress_layers([x], plan)[0]
+
+    def compress_layers(self, inputs: list[LayerInput], plan: Plan | None) -> list[LowRankState]:
+        """Every layer in order; a group's shared coefficients are fitted when its last layer arrives."""
+        if not inputs:
+            return []
+        art = artifact_for(inputs[0], "lowrank", self.artifact)
+        out, pending = [], None
+        for x in inputs:
+            state, pending = self._layer(x, art, pending)
+            out.append(state)
+        if pending is not None:
+            raise KVSumError(f"lowrank compresses layers in order (layers of a group share coefficients): layers "
+                             f"{', '.join(map(str, pending[0]))} together, or share_layers=1")
+        return out
+
+    def _layer(self, x: LayerInput, art: Artifact, pending: tuple | None) -> tuple[LowRankState, tuple | None]:
+        """This layer's state and the group still being filled (None once its coefficients are fitted)."""
         if self.space not in SPACES:
             raise KVSumError(f"lowrank: space={self.space!r}; accepted: {', '.join(SPACES)}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
@@ -162,8 +185,7 @@ class LowRank(Method):
         S = min(self.sinks, x.T, int(x.budget_bytes // (2 * x.H * x.d * x.storage.itemsize)))
         group = self.group(x)
         if x.layer_idx == group[0]:
-            self._pending = (group, Coefficients(), [], [], self.ranks(x, len(group), S))
-        pending = getattr(self, "_pending", None)
+            pending = (group, Coefficients(), [], [], self.ranks(x, len(group), S))
         if pending is None or pending[0] != group or len(pending[2]) != x.layer_idx - group[0]:
             raise KVSumError("lowrank compresses layers in order (layers of a group share coefficients); "
                              "on models with sliding-window layers, use share_layers=1")
@@ -183,5 +205,5 @@ class LowRank(Method):
                 setattr(coef, w, c.to(x.storage).contiguous())
                 for j, s in enumerate(states):
                     s.basis[w] = (mean[j * n:(j + 1) * n], B[j * n:(j + 1) * n].contiguous())
-            self._pending = None
-        return state
+            pending = None
+        return state, pending

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...calibrate import rope_tables, rotate, unrotate
+from ...rope import rope_tables, rotate, unrotate
 from ...state import tensor_bytes
 from .fit import lowrank_factors
 
@@ -106,7 +106,7 @@ class CoverState:
 
 
 class MaskedState:
-    """A TurboQuant state over n tokens of a layer (summary's code cover: all but the sinks), with `exclude`
+    """A quantizer's state over n tokens of a layer (summary's code cover: all but the sinks), with `exclude`
     (H, n) bool masked out of its scores."""
 
     def __init__(self, inner, exclude: Tensor):

@@ -21,20 +21,28 @@ from dataclasses import dataclass
 import torch
 
 from ...state import EntryState
-from ..base import LayerInput, Method, register
-from .fit import causal_logits, group_queries
+from ..attention_stats import causal_logits, group_queries
+from ..base import LayerInput, Method, Plan
+from ..registry import register
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class HAE(Method):
+    """The published recycle-bin summarization, per KV head (see the module docstring).
+
+    Attributes:
+        bin_size: binned tokens replaced together (doubled until the synthetic tokens fit the budget).
+        rank: synthetic tokens per bin (the top singular directions of pinv(Q) Y).
+    """
+
     name = "hae"
     summary = "published entropy-guided summarization: recycle bin + SVD of pinv(Q) Y (reference)"
     needs_queries = True
     bin_size: int = 20
     rank: int = 2
 
-    def compress(self, x: LayerInput):
+    def compress(self, x: LayerInput, plan: Plan | None = None):
         n = x.entries_per_head()
         keys, values = [], []
         for h in range(x.H):

@@ -1,0 +1,80 @@
+"""Performance, reconstruction, Gemma, stability, robustness and report experiments."""
+
+from __future__ import annotations
+
+from .base import Experiment, spec, tq
+
+PERF = ("turboquant", "kivi", "summary", "summary+turboquant", "streaming_llm", "snapkv")
+GEMMA = ("full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi", "echokv", "lowrank")
+GEMMA_MORE = (("echokv", "lowrank"), ("turboquant:rotation=hadamard",), ("turboquant",),
+              ("summary:cover=turboquant(bits=3),score=surprisal",
+               "summary:cover=turboquant(bits=3,rotation=hadamard),score=surprisal"))
+
+
+def gemma_runs() -> tuple[tuple[str, ...], ...]:
+    """The invocations merged into gemma.json, in the order they ran: per task the default methods, then the
+    calibrated methods, the Hadamard rotation, TurboQuant again, and the code covers."""
+    out = []
+    for task, n in (("passkey", 6), ("multikey", 6), ("lm", 4)):
+        out.append(("--task", task, "--n", str(n), "--methods", *GEMMA))
+        out += [("--task", task, "--n", str(n), "--methods", *more) for more in GEMMA_MORE]
+    return tuple(out)
+
+
+def perf(part: str, doc: str, *runs: tuple[str, ...]) -> Experiment:
+    return Experiment(f"perf_{part}", "perf", "perf", doc, part=part, threads=2, runs=runs or ((),))
+
+
+EXPERIMENTS = [
+    perf("short", "tokens/s over 64..512-token prompts: full, the default Policy, each method always on",
+         ("--methods", *PERF), ("--methods", *PERF, "--lengths", "256")),
+    perf("overhead", "(prefill + compression) / plain prefill per method and length; scaling exponents",
+         ("--methods", *PERF, "--lengths", "512", "1024", "2048", "4096"), ("--methods", *PERF, "--lengths", "8192")),
+    perf("decode", "decode-step time against context length and budget, over the full cache's",
+         ("--methods", *PERF, "--lengths", "1024", "2048", "4096", "--budget-lengths", "4096"),
+         ("--methods", *PERF, "--lengths", "8192", "--budget-lengths", "8192", "--rounds", "11"),
+         ("--methods", *PERF, "--lengths", "1024", "2048", "4096"),
+         ("--methods", "summary", "streaming_llm", "snapkv", "--lengths", "8192", "--budget-lengths", "8192",
+          "--rounds", "11"),
+         ("--methods", "turboquant", "kivi", "summary+turboquant", "--lengths", "4096", "8192", "--budget-lengths",
+          "4096", "8192", "--rounds", "11"),
+         ("--methods", "turboquant", "kivi", "summary+turboquant", "--lengths", "1024", "2048")),
+    perf("memory", "cache bytes and peak resident memory during compression at 8k",
+         ("--methods", *PERF, "--lengths", "8192")),
+    Experiment("cost", "perf", "cost", "compression over prefill and decode over full at 4k, budget 0.25",
+               methods=("summary", "hae", "streaming_llm", "snapkv", "restkv"), threads=2,
+               args=("--length", "4096", "--budget", "0.25")),
+    Experiment("cost_cover", "perf", "cost", "the same for the demo's code cover",
+               methods=("summary", spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)),
+                        "turboquant"), threads=2, args=("--length", "4096", "--budget", "0.25")),
+    Experiment("cost_sentence", "perf", "cost", "the same at 0.125 for summary+turboquant by sentence",
+               methods=(spec("summary+turboquant", score="sentence"), "summary", "streaming_llm", "snapkv"),
+               threads=2, args=("--length", "4096", "--budget", "0.125")),
+    Experiment("breakeven", "perf", "kvsum", "the policy's break-even table (kvsum bench breakeven)",
+               part="bench breakeven", threads=2),
+    Experiment("reconstruct", "reconstruct", "reconstruct", "calibration cost and per-layer reconstruction error",
+               args=("--tokens", "4096", "--heldout", "2048", "--budgets", "0.5", "0.25")),
+    Experiment("reconstruct_eval", "reconstruct", "reconstruct_eval", "echokv / lowrank beside summary and restkv",
+               methods=("full", *(spec(m, (0.5, 0.25), **k) for m, k in (("echokv", {}), ("lowrank", {}), (
+                   "lowrank", {"share_layers": 2}), ("summary", {}), ("restkv", {})))),
+               n=6, threads=1, args=("--n-lm", "3")),
+    Experiment("gemma", "gemma", "gemma", "Gemma 3 270M: every family at 0.5 / 0.25 / 0.125 of the global layers",
+               threads=2, runs=gemma_runs()),
+    Experiment("stability", "stability", "kvsum", "greedy generations across dtypes (kvsum stability)",
+               part="stability", threads=2, args=("--onepass", "fp16", "--dtype-prompts", "fp16=1", "--time-limit",
+                                                  "400")),
+    Experiment("long_generation", "stability", "long_generation", "2,048 greedy tokens on a compressed 1k context",
+               threads=2, runs=(("--part", "exact"), ("--part", "compressed", "--only", "1"),
+                                ("--part", "compressed", "--only", "0"))),
+    Experiment("long_memory", "long", "long_memory", "Qwen at 2k-32k: peak memory during compression against "
+               "weights + full cache + a chunk; compression time and its exponent", threads=2,
+               runs=(("--lengths", "2048", "4096", "8192", "16384"),
+                     ("--lengths", "32768", "--methods", "full", "snapkv", "turboquant"))),
+    Experiment("bad_input", "robust", "bad_input", "every bad input and the error kvsum gives"),
+    Experiment("properties", "robust", "properties", "hypothesis statistics of the property tests", ext="txt"),
+    Experiment("report", "report", "kvsum", "the decision report (kvsum report): report.html, report.md",
+               part="report", out="dir", args=("--methods", "all,summary+turboquant", "--scaling-lengths",
+                                               "1024,2048", "--time-limit", "480")),
+    Experiment("check", "report", "check_report", "the report page in headless Chromium: loads, every plot decodes",
+               out="none", args=("benchmarks/results/report/report.html",)),
+]

@@ -1,0 +1,165 @@
+"""The headline frontier, from the committed result files alone (no model runs): for each family's best
+configuration at each budget, the bytes it holds (a share of the full 16-bit cache) against passkey / multikey
+accuracy at 2k tokens and the lm KL, the full cache beside; every cell names the file it comes from.
+
+Rows are the eval runner's rows (task, length, method, knobs, budget, n, score, full_score, kl, ratio) of every
+SmolLM2 result under benchmarks/results/. A configuration is (method, knobs, budget); where several files measured
+it, the one with the most examples is used. Fixed-width quantizers (budget 1) fall into the smallest budget their
+bytes fit. Per family and budget the configuration with the best mean retrieval wins (ties: more examples, then
+lower KL), among those measured on at least MIN_N examples per task where any was.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BUDGETS = (0.5, 0.25, 0.125, 0.0625)
+LENGTH = 2048  # retrieval context
+TASKS = ("passkey", "multikey")
+FAMILIES = {  # method name -> family (compositions: any name with "+")
+    **dict.fromkeys(("snapkv", "h2o", "restkv", "tova", "knorm", "expected_attention", "streaming_llm", "random"),
+                    "eviction"),
+    **dict.fromkeys(("turboquant", "kivi"), "quantization"),
+    **dict.fromkeys(("echokv", "lowrank"), "reconstruction"),
+    **dict.fromkeys(("summary", "hae"), "summary"),
+}
+MIN_N = 20  # fewer examples than this only where nothing larger was measured (one example is 5 points at 20)
+ORDER = ("eviction", "quantization", "reconstruction", "summary", "composition")
+
+
+def family(method: str) -> str | None:
+    return "composition" if "+" in method else FAMILIES.get(method)
+
+
+def rows_of(root: Path) -> list[dict]:
+    """Every eval row of a SmolLM2 result file under `root`, with the file it came from."""
+    out = []
+    for path in sorted(root.rglob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or (data.get("meta") or {}).get("model") != "smollm2":
+            continue
+        for r in data.get("rows") or []:
+            if isinstance(r, dict) and r.get("task") in (*TASKS, "lm") and "ratio" in r and r.get("n"):
+                if r["task"] == "lm" or r.get("score") is not None:
+                    out.append({**r, "source": str(path.relative_to(root))})
+    return out
+
+
+def _key(r: dict) -> tuple:
+    knobs = {k: v for k, v in (r.get("knobs") or {}).items() if k != "artifact"}
+    return r["method"], json.dumps(knobs, sort_keys=True), r["budget"]
+
+
+def _bucket(r: dict) -> float | None:
+    """The budget a row stands for: its own, or for a fixed-width quantizer the smallest budget its bytes fit."""
+    if r["budget"] < 1:
+        return r["budget"] if r["budget"] in BUDGETS else None
+    fits = [b for b in BUDGETS if r["ratio"] <= b * 1.01]
+    return min(fits) if fits else None
+
+
+def _best_per_config(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """config -> task -> the row with the most examples (retrieval at LENGTH, lm at any length)."""
+    best: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["task"] != "lm" and r["length"] != LENGTH:
+            continue
+        cell = best.setdefault(_key(r), {})
+        if r["task"] not in cell or r["n"] > cell[r["task"]]["n"]:
+            cell[r["task"]] = r
+    return best
+
+
+def _cell(r: dict | None, what: str) -> dict | None:
+    if r is None:
+        return None
+    value = r["kl"] if what == "lm" else r["score"]
+    out = dict(value=value, n=r["n"], ratio=r["ratio"], source=r["source"])
+    if what != "lm":
+        out["full"] = r["full_score"]
+    return out
+
+
+def frontier(rows: list[dict]) -> list[dict]:
+    configs = _best_per_config(rows)
+    table = []
+    full = configs.get(("full", "{}", 1.0), {})
+    table.append(dict(family="full cache", method="full", knobs={}, budget=1.0,
+                      **{t: _cell(full.get(t), t) for t in (*TASKS, "lm")}))
+    for fam in ORDER:
+        for b in BUDGETS:
+            cands = []
+            for (method, _, budget), cell in configs.items():
+                if family(method) != fam or not all(t in cell for t in TASKS):
+                    continue
+                if _bucket(cell[TASKS[0]]) != b:
+                    continue
+                mean = sum(cell[t]["score"] for t in TASKS) / len(TASKS)
+                kl = cell["lm"]["kl"] if "lm" in cell else float("inf")
+                n = min(cell[t]["n"] for t in TASKS)
+                cands.append((n >= MIN_N, mean, n, -kl, method, budget, cell))
+            if not cands:
+                continue
+            *_, method, budget, cell = max(cands, key=lambda c: c[:4])
+            knobs = {k: v for k, v in cell[TASKS[0]]["knobs"].items() if k != "artifact"}
+            table.append(dict(family=fam, method=method, knobs=knobs, budget=b, own_budget=budget,
+                              **{t: _cell(cell.get(t), t) for t in (*TASKS, "lm")}))
+    return table
+
+
+COVER_KNOBS = {"cover_bits": "bits", "cover_center": "center", "cover_basis": "key_basis",
+               "cover_rotation": "rotation", "cover_unbiased": "unbiased"}  # summary's knobs before `cover=`
+
+
+def spec_of(method: str, knobs: dict) -> str:
+    """The configuration as a spec string a user can run today: summary's old cover knobs (committed rows
+    predate `cover=`) written as the quantizer they configured."""
+    cover = {COVER_KNOBS[k]: v for k, v in knobs.items() if k in COVER_KNOBS}
+    rest = [f"{k}={v}" for k, v in knobs.items() if k not in COVER_KNOBS]
+    if cover:
+        rest.insert(0, "cover=turboquant(" + ",".join(f"{k}={v}" for k, v in cover.items()) + ")")
+    return method + (":" + ",".join(rest) if rest else "")
+
+
+def _md(table: list[dict]) -> str:
+    def spec(r):
+        return spec_of(r["method"], r["knobs"])
+
+    def ret(c):
+        return "-" if c is None else f"{c['value']:.0f} ({c['full']:.0f}), n = {c['n']}"
+
+    lines = ["# Headline: bytes held against retrieval and KL (SmolLM2-135M)", "",
+             "experiment: headline, run: python -m benchmarks run headline (built from the committed result files; "
+             "no model runs)", "",
+             f"Retrieval: accuracy % at {LENGTH} tokens, query-agnostic (the full cache on the same examples in "
+             "brackets); lm: KL(full || compressed) in nats over a teacher-forced continuation of a 1.5k-token "
+             "prefix; bytes: `cache.nbytes()` over the full cache at 16 bits (the full cache's own row: 1.000, what it "
+             "holds in a 16-bit model; these runs kept it in float32, twice that). Per family and budget, the "
+             f"configuration with the best mean retrieval among those measured (on at least {MIN_N} examples per "
+             "task where any was). Sources per cell in headline.json.",
+             "", "| family | budget | configuration | bytes held | passkey | multikey | lm KL | sources |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        lm = r["lm"]
+        cells = [r["passkey"], r["multikey"], lm]
+        ratio = 1.0 if r["method"] == "full" else next(c["ratio"] for c in cells if c is not None)
+        sources = ", ".join(dict.fromkeys(c["source"] for c in cells if c is not None))
+        kl = "-" if lm is None else f"{lm['value']:.4f} (n = {lm['n']})"
+        budget = "1" if r["method"] == "full" else f"{r['budget']:g}"
+        lines.append(f"| {r['family']} | {budget} | `{spec(r)}` | {ratio:.3f} | {ret(r['passkey'])} | "
+                     f"{ret(r['multikey'])} | {kl} | {sources} |")
+    return "\n".join(lines) + "\n"
+
+
+def build(results: Path, out: Path) -> None:
+    """Write out/headline.json and .md from the result files under `results`."""
+    table = frontier(rows_of(results))
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(experiment="headline", run="python -m benchmarks run headline", model="smollm2",
+                built_from="the committed result files under benchmarks/results (no model runs)",
+                retrieval_length=LENGTH, budgets=list(BUDGETS))
+    (out / "headline.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1) + "\n")
+    md = _md(table)
+    (out / "headline.md").write_text(md)
+    print(md)

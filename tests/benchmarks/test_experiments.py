@@ -1,0 +1,47 @@
+"""The experiments registry: every committed result file belongs to one named experiment, every experiment has
+its file, and each carries the command, date and versions that produced it."""
+
+import json
+
+from benchmarks.__main__ import HEADLINE
+from benchmarks.experiments import EXPERIMENTS, RESULTS
+from benchmarks.specs import parse_row
+from kvsum.methods import make_method
+
+
+def _owned() -> dict:
+    owned = {RESULTS / f"{HEADLINE}.{ext}": HEADLINE for ext in ("json", "md")}  # built from the others
+    for e in EXPERIMENTS.values():
+        p = e.path()
+        if e.out == "dir":
+            owned.update({f: e.name for f in p.parent.rglob("*") if f.is_file()})
+        else:
+            owned.update({p.with_suffix(ext): e.name for ext in (".json", ".md", ".txt")})
+    return owned
+
+
+def test_every_result_file_belongs_to_an_experiment_and_every_experiment_has_its_file():
+    owned = _owned()
+    files = [f for f in RESULTS.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    assert [str(f) for f in files if f not in owned] == []
+    assert [e.name for e in EXPERIMENTS.values() if not e.path().exists()] == []
+
+
+def test_every_json_result_records_its_command_date_and_versions():
+    for e in EXPERIMENTS.values():
+        if e.path().suffix != ".json":
+            continue
+        meta = json.loads(e.path().read_text()).get("meta")
+        assert isinstance(meta, dict), e.name
+        assert meta.get("date") and (meta.get("command") or meta.get("run")), e.name
+        assert meta.get("torch") and meta.get("transformers"), e.name
+
+
+def test_every_method_spec_builds():
+    for e in EXPERIMENTS.values():
+        for spec in e.methods:
+            name, knobs, _ = parse_row(spec)
+            knobs.pop("artifact", None)
+            if name in ("echokv", "lowrank", "turboquant_one_side"):  # a calibrated artifact / a diagnosis variant
+                continue
+            make_method(name, **knobs)

@@ -1,0 +1,43 @@
+"""kvsum/methods/summary/summary.py: refits, knob checks, entropy allocation across heads and layers."""
+
+import pytest
+import torch
+
+import kvsum
+from kvsum.methods import make_method
+from kvsum.methods.attention_stats import causal_logits
+from tests.helpers import reference_layer
+
+
+def _attention_error(state, x):
+    """Relative error of the attention output over the reference queries: state vs. the full block."""
+    G = x.queries.shape[0] // x.H
+    q = x.queries.reshape(1, x.H, -1, x.d)  # queries grouped by KV head
+    s = state.scores(q, x.scale)
+    approx = state.mix(torch.softmax(s, -1))[0, 0]
+    logits = causal_logits(x.queries.reshape(-1, x.d), x.query_pos.repeat(G), x.keys[0], x.scale)
+    exact = torch.softmax(logits, -1) @ x.values[0]
+    return float((approx - exact).norm() / exact.norm())
+
+
+def test_refit_reduces_attention_error_over_references():
+    errs = {}
+    for refit in (False, True):
+        x = reference_layer()
+        state = make_method("summary", refit=refit, anchor_share=0.5, entropy_allocation=False).compress(x)
+        errs[refit] = _attention_error(state, x)
+    assert errs[True] < 0.8 * errs[False], errs
+
+
+def test_bad_knobs_are_clear_errors():
+    with pytest.raises(kvsum.KVSumError, match="anchor_share"):
+        make_method("summary", anchor_share=1.5)
+    with pytest.raises(kvsum.KVSumError, match="no knob"):
+        make_method("summary", nonsense=1)
+
+
+def test_entropy_allocation_spreads_bytes_and_keeps_the_budget(tiny, ids):
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.25, entropy_allocation=True)
+    assert cache.nbytes() <= 0.27 * cache.reference_nbytes
+    lengths = [n for layer in cache.layers for n in layer.state.lengths()]
+    assert len(set(lengths)) > 1  # heads and layers no longer hold equal shares

@@ -1,0 +1,89 @@
+"""Composition "method+quantizer": one budget over the quantized entries, knob routing, exact attention."""
+
+import pytest
+import torch
+
+import kvsum
+from kvsum.methods import LayerInput, make_method
+from kvsum.state import EntryState
+from tests.helpers import SERVED, tiny_llama
+
+
+@pytest.mark.parametrize("name,budget,knobs", [("summary+turboquant", 0.125, {}), ("summary+turboquant", 0.0625, {}),
+                                               ("snapkv+turboquant", 0.125, dict(bits=2.5)),
+                                               ("snapkv+kivi", 0.25, dict(kivi_residual=32)),
+                                               ("h2o+turboquant", 0.0625, dict(bits=2, qjl=True))])
+def test_budget_covers_the_quantized_total_and_generation_works(name, budget, knobs):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 520), generator=torch.Generator().manual_seed(2))
+    ctx = ids[:, :500]
+    cache = kvsum.compress(model, ctx, method=name, budget=budget, **knobs)
+    assert cache.method == name
+    assert (budget - 0.02) * cache.reference_nbytes <= cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
+    alone = kvsum.compress(model, ctx, method=name.split("+")[0], budget=budget)
+    assert sum(cache.layers[0].lengths()) > 2 * sum(alone.layers[0].lengths())  # quantized entries are cheaper
+    out = model.generate(ids[:, :510], cache=cache, max_new_tokens=50, min_new_tokens=50, do_sample=False)
+    assert out.shape == (1, 560) and cache.get_seq_length() == 559
+    q = make_method(name, **knobs).quant
+    assert cache.layers[0].tail_length() <= q.residual + q.group  # decoded tokens were quantized too
+
+
+def test_ragged_composed_state_attends_exactly_over_its_dequantized_entries():
+    g = torch.Generator().manual_seed(0)
+    H, d, lengths = 3, 16, [40, 7, 25]
+    kept = EntryState([torch.randn(n, d, generator=g) for n in lengths],
+                      [torch.randn(n, d, generator=g) for n in lengths], [torch.randn(n, generator=g) for n in lengths])
+    x = LayerInput(torch.zeros(H, 100, d), torch.zeros(H, 100, d), None, None, 0.25, 0, 1, 1.0, torch.float16)
+    for name in ("summary+turboquant", "summary+kivi"):
+        state = make_method(name, bits=4, **({"residual": 8} if "kivi" in name else {})).quantize(kept, x)
+        assert state.lengths() == lengths
+        inner = state.inner
+        ref = EntryState(list(inner.keys()[0].split(lengths)), list(inner.values()[0].split(lengths)),
+                         list(kept.bias.float().split(lengths)), dtype=torch.float32)
+        q = torch.randn(1, H, 5, d, generator=g)
+        s, s_ref = state.scores(q, 0.25), ref.scores(q, 0.25)  # layouts may differ: compare what attention uses
+        torch.testing.assert_close(s.logsumexp(-1), s_ref.logsumexp(-1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state.mix(s.softmax(-1)), ref.mix(s_ref.softmax(-1)), atol=1e-4, rtol=1e-4)
+        assert (torch.isfinite(s).sum(-1) == torch.tensor(lengths).view(1, H, 1)).all()  # each head sees its own
+        if name == "summary+turboquant" and SERVED:  # the kernel reads each head's run: (1, H, M, longest run)
+            assert s.shape == (1, H, 5, max(lengths))
+        assert state.nbytes() == inner.nbytes() + 2 * sum(lengths) + sum(lengths)  # fp16 bias, int8 head index
+
+
+def test_knobs_are_routed_by_owner_or_prefix():
+    m = make_method("snapkv+kivi", bits=4, kernel=3, snapkv_window=16, kivi_residual=0)
+    assert (m.first.kernel, m.first.window, m.quant.bits, m.quant.residual, m.bits) == (3, 16, 4, 0, 4)
+    assert make_method("summary+turboquant").bits == 3  # the default width of a composition
+    with pytest.raises(kvsum.KVSumError, match="belongs to both methods; write random_seed or turboquant_seed"):
+        make_method("random+turboquant", seed=3)
+    m = make_method("random+turboquant", random_seed=3, turboquant_seed=5)
+    assert (m.first.seed, m.quant.seed) == (3, 5)
+    with pytest.raises(kvsum.KVSumError, match="has no knob 'nope'"):
+        make_method("summary+turboquant", nope=1)
+    with pytest.raises(kvsum.KVSumError, match="second method must be a quantizer"):
+        make_method("turboquant+snapkv")
+    with pytest.raises(kvsum.KVSumError, match="unknown method 'snap'"):
+        make_method("snap+kivi")
+    with pytest.raises(kvsum.KVSumError, match="not supported"):
+        make_method("snapkv+kivi", bits=3)
+
+
+def test_the_quantizers_exact_tokens_are_refused_in_a_composition():
+    for name, knobs in (("snapkv+turboquant", dict(sinks=4)), ("summary+turboquant", dict(turboquant_window=8)),
+                        ("summary+kivi", dict(kivi_sinks=4))):
+        with pytest.raises(kvsum.KVSumError, match="do not apply in a composition: .* decides what stays exact"):
+            make_method(name, **knobs)
+
+
+def test_key_shift_in_a_composition_moves_key_bits_between_layers_in_the_same_bytes():
+    model = tiny_llama(layers=4)
+    ctx = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
+    caches = {k: kvsum.compress(model, ctx, method="snapkv+turboquant", budget=0.125, **knobs)
+              for k, knobs in (("off", {}), ("on", dict(key_shift=1)))}
+    widths = {k: [layer.state.inner.widths[0] for layer in c.layers] for k, c in caches.items()}
+    assert widths["off"] == [3.5] * 4  # off by default: 3 bits, keys +0.5
+    assert sorted(widths["on"]) == [2.5, 2.5, 4.5, 4.5]  # the sharpest half +1, the most diffuse half -1
+    on, off = caches["on"], caches["off"]
+    assert abs(on.nbytes() - off.nbytes()) <= 0.02 * off.reference_nbytes
+    for a, b in zip(on.layers, off.layers):  # each layer's bytes follow its entries' cost: about as many entries
+        assert abs(a.state.lengths()[0] - b.state.lengths()[0]) <= 0.1 * b.state.lengths()[0]
