@@ -25,22 +25,10 @@ import time
 from pathlib import Path
 
 from .experiments import RESULTS
+from .memory import reset_peak, rss
 
 BOUND = 1.2
 DEFAULT_METHODS = ("full", "snapkv", "turboquant", "summary")
-
-
-def _rss() -> tuple[int, int]:
-    status = Path("/proc/self/status").read_text()
-
-    def field(name):
-        return int(status.split(name + ":")[1].split()[0]) * 1024
-
-    return field("VmRSS"), field("VmHWM")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def chunk_activations(model, step: int, T: int) -> int:
@@ -70,23 +58,23 @@ def one_length(args) -> dict:
     assert ids.shape[1] == L
     kvsum.prefill(model, ids[:, :128])  # warm-up
     step = L if L <= WHOLE else CHUNK
-    loaded, _ = _rss()
+    loaded, _ = rss()
     rows = []
     plain = [m for m in args.methods if not prefill_needs([make_method(m)])]
     for names in (plain, [m for m in args.methods if m not in plain]):  # the plain prefill, then one with extras
         if not names:
             continue
         opts = prefill_needs([make_method(m) for m in names])
-        _reset_peak()
-        before, _ = _rss()
+        reset_peak()
+        before, _ = rss()
         t0 = time.perf_counter()
         pre = kvsum.prefill(model, ids, tokenizer=tok, **opts)
         prefill_s = time.perf_counter() - t0
-        _, prefill_peak = _rss()
+        _, prefill_peak = rss()
         full = pre.cache.nbytes()
         base = loaded + full + chunk_activations(model, step, L)  # the peak is held to BOUND x this
         for name in names:
-            _reset_peak()
+            reset_peak()
             times = []
             for _ in range(args.repeat):  # the median of a few: a shared machine's load comes and goes
                 cache = None
@@ -94,7 +82,7 @@ def one_length(args) -> dict:
                 cache = kvsum.compress_prefill(pre, make_method(name), args.budget)
                 times.append(time.perf_counter() - t0)
             compress_s = statistics.median(times)
-            _, peak = _rss()
+            _, peak = rss()
             rows.append(dict(length=L, method=name, budget=args.budget, chunk=step, prefill=",".join(opts) or "plain",
                              prefill_s=prefill_s, tokens_per_s=L / prefill_s, compress_s=compress_s,
                              compress_runs=times,
@@ -125,7 +113,6 @@ def render(rows: list[dict], meta: dict) -> list[str]:
     lengths = sorted({r["length"] for r in rows})
     out = [f"# long prompts in bounded memory ({meta['model']}, {meta['threads']} threads, budget "
            f"{rows[0]['budget'] if rows else ''})", "",
-           ", ".join(f"{k}: {meta[k]}" for k in ("date", "commit", "torch", "transformers") if meta.get(k)), "",
            "Each length in a fresh process. Peak: the process's VmHWM during the prefill and during compress_prefill "
            "(the larger counts); sum: resident after loading the model + the full cache + one chunk's activations "
            f"(from the shapes: benchmarks/long_memory.py chunk_activations); the bound is {BOUND} x the sum. "
@@ -140,7 +127,8 @@ def render(rows: list[dict], meta: dict) -> list[str]:
         for r in (r for r in rows if r["length"] == L):
             peak = max(r["prefill_peak"], r["compress_peak"])
             out.append(f"| {L} | {r['method']} | {r['chunk']} | {r['prefill_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                       f"{r['compress_s']:.3f} | {r['compress_over_prefill']:.4f} | {r['loaded_rss'] / mib:.0f} | "
+                       f"{r['compress_s']:.3f}{'' if 'compress_runs' in r else ' (1 run)'} | "
+                       f"{r['compress_over_prefill']:.4f} | {r['loaded_rss'] / mib:.0f} | "
                        f"{r['full_cache_bytes'] / mib:.0f} | {r['chunk_activation_bytes'] / mib:.0f} | "
                        f"{peak / mib:.0f} | {r['base'] / mib:.0f} | {r['peak_over_base']:.3f} | "
                        f"{r['ratio']:.3f} |")

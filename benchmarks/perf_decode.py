@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 import kvsum
@@ -17,6 +15,7 @@ from kvsum.breakeven import prose_ids, step_times
 from kvsum.errors import KVSumError
 from kvsum.methods import make_method
 
+from .memory import reset_peak, rss
 from .perf_merge import needs, write_merged
 
 
@@ -83,17 +82,6 @@ def part_decode(model, tok, args, render: dict | None = None) -> None:
 
 
 # ---------------------------------------------------------------- memory
-def _rss() -> tuple[int, int]:
-    """(current, peak) resident bytes of this process."""
-    status = Path("/proc/self/status").read_text()
-
-    def field(name):
-        return int(status.split(name + ":")[1].split()[0]) * 1024
-    return field("VmRSS"), field("VmHWM")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 @torch.no_grad()
@@ -103,22 +91,22 @@ def part_memory(model, tok, args) -> None:
     opts = {}
     for name in args.methods:
         opts.update(needs(name))
-    _reset_peak()
-    before, _ = _rss()
+    reset_peak()
+    before, _ = rss()
     pre = kvsum.prefill(model, ids, tokenizer=tok, **opts)
-    after, peak = _rss()
+    after, peak = rss()
     full_bytes = pre.cache.nbytes()
     rows = [dict(method="(prefill)", length=L, cache_bytes=full_bytes, held_before=before, peak_extra=peak - before,
                  over_full=(peak - before) / full_bytes)]
     for name in args.methods:
-        _reset_peak()
-        base, _ = _rss()
+        reset_peak()
+        base, _ = rss()
         try:
             cache = kvsum.compress_prefill(pre, make_method(name), args.budget)
         except KVSumError as e:
             rows.append(dict(method=name, length=L, refused=str(e)))
             continue
-        _, peak = _rss()
+        _, peak = rss()
         extra = peak - base  # over what was held before compressing (the model + the full cache)
         rows.append(dict(method=name, length=L, budget=args.budget, cache_bytes=cache.nbytes(),
                          ratio=cache.nbytes() / cache.reference_nbytes, peak_extra=extra,

@@ -10,7 +10,15 @@ from types import SimpleNamespace
 
 import torch
 from hypothesis import HealthCheck, event, settings
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import kvsum
 from kvsum.attention import use_kvsum_attention
@@ -39,6 +47,25 @@ def tiny_gemma(attn: str = "sdpa", window: int = 32, dtype=torch.float32, seed: 
                            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                            max_position_embeddings=4096, attn_implementation=attn)
     model = Gemma3ForCausalLM(cfg).to(dtype).eval()
+    use_kvsum_attention(model)
+    return model
+
+
+def tiny_qwen2(attn: str = "sdpa", heads: int = 14, kv_heads: int = 2, layers: int = 2, head_dim: int = 16,
+               seed: int = 0):
+    """A random Qwen2 shaped like Qwen2.5-Coder-0.5B where it matters to kvsum: 7 query heads per KV head,
+    q/k/v projection biases (random, the key bias large as in the trained model), RoPE theta 1e6."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                      attn_implementation=attn)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for proj, scale in ((a.q_proj, 0.5), (a.k_proj, 4.0), (a.v_proj, 0.5)):
+                proj.bias.copy_(torch.randn(proj.bias.shape) * scale)
     use_kvsum_attention(model)
     return model
 

