@@ -122,7 +122,7 @@ def token_surprisal(model, hidden: Tensor, input_ids: Tensor, common: int = 8192
     weight = model.get_output_embeddings().weight
     ids = input_ids[0]
     vocab = torch.unique(torch.cat([torch.arange(min(common, weight.shape[0]), device=ids.device), ids]))
-    w_vocab, w_next = weight[vocab], weight[ids[1:]]
+    w_vocab = weight[vocab]
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
     def soft(z):
@@ -135,7 +135,7 @@ def token_surprisal(model, hidden: Tensor, input_ids: Tensor, common: int = 8192
         b = min(a + chunk, end)
         h = hidden[0, a - start:b - start]
         lse = torch.logsumexp(soft((h @ w_vocab.t()).float()), -1)
-        out[a + 1:b + 1] = lse - soft((h * w_next[a:b]).sum(-1).float())
+        out[a + 1:b + 1] = lse - soft((h * weight[ids[a + 1:b + 1]]).sum(-1).float())  # this chunk's next tokens
     return out
 
 

@@ -87,7 +87,7 @@ def fit_widths(weight: Tensor, budget_bytes: int, T: int, d: int) -> Tensor:
 class RopeFrame:
     """Positions of a layer's coded keys, for coding them before RoPE: the prompt's `n` keys from `start`, then
     decoded keys from `resume` (the prompt's length: the positions the model gives them). The tables are
-    recomputed from the model's own `rope` (kvsum.calibrate.layer_rope), not held."""
+    recomputed from the model's own `rope` (kvsum.rope.layer_rope), not held."""
 
     def __init__(self, rope: dict, start: int, n: int, resume: int):
         self.rope, self.start, self.n, self.resume = rope, start, n, resume
