@@ -8,6 +8,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..spec import format_value
+
 
 def meta(model: str | None = None, command: str | None = None, **extra) -> dict:
     import torch
@@ -24,7 +26,8 @@ def meta(model: str | None = None, command: str | None = None, **extra) -> dict:
 
 
 def knobs_text(knobs: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in knobs.items())
+    """Knobs as a row shows them; a method-valued knob in its spec form, `cover=turboquant(bits=3.5)`."""
+    return ", ".join(f"{k}={format_value(v)}" for k, v in knobs.items())
 
 
 def _mib(b: float) -> str:
