@@ -52,6 +52,7 @@ class Quantizer(Method):
     default_bits: ClassVar[float] = 0  # the width of a composition or a cover whose quantizer has bits=None
     exact_knobs: ClassVar[tuple[str, ...]] = ()  # knobs keeping prompt tokens exact (refused in a composition)
     composed_defaults: ClassVar[dict] = {}  # knob values a composition starts from unless given
+    position_knobs: ClassVar[tuple[str, ...]] = ()  # knobs tying the codes to prompt positions (refused composed)
 
     bits = None  # overridden by each subclass's field
 
@@ -79,8 +80,8 @@ class Quantizer(Method):
 
     def position_knob(self) -> str | None:
         """The knob, if set, that ties the codes to the keys' prompt positions (entries kept out of order by
-        another method cannot take it)."""
-        return None
+        another method cannot take it): the first of `position_knobs` that is set."""
+        return next((k for k in self.position_knobs if getattr(self, k)), None)
 
     def lighter(self, d: int) -> Quantizer | None:
         """This quantizer with a smaller fixed cost at head dim d, for a layer whose budget its fixed costs do

@@ -148,8 +148,9 @@ def _compose(name: str, knobs: dict) -> Composed:
     if exact:
         raise KVSumError(f"{name!r}: {quant}'s exact prompt tokens ({', '.join(exact)}) do not apply in a composition: "
                          f"{quant} codes every entry {first} keeps, and {first} decides what stays exact")
-    if routed[quant].get("pre_rope"):
-        raise KVSumError(f"{name!r}: {quant}'s pre_rope un-rotates each key by its position, and {first} keeps "
-                         "entries whose positions the codes do not get; drop pre_rope in a composition")
+    knob = next((k for k in REGISTRY[quant].position_knobs if routed[quant].get(k)), None)
+    if knob:  # refused before the quantizer checks its own knobs (Composed refuses it for built parts too)
+        raise KVSumError(f"{name!r}: {quant}'s {knob} un-rotates each key by its position, and {first} keeps "
+                         f"entries whose positions the codes do not get; drop {knob} in a composition")
     routed[quant] = {**REGISTRY[quant].composed_defaults, **routed[quant]}  # e.g. turboquant's key shift off
     return Composed(first=make_method(first, **routed[first]), quant=make_method(quant, **routed[quant]))

@@ -73,6 +73,7 @@ class TurboQuant(Quantizer):
     supported_bits = SUPPORTED
     default_bits = 3
     exact_knobs = ("sinks", "window")
+    position_knobs = ("pre_rope",)
     composed_defaults = {"key_shift": 0}  # in a composition the key shift is off unless asked for
 
     bits: float | None = None
@@ -128,9 +129,6 @@ class TurboQuant(Quantizer):
 
     def key_shifts(self, diffuseness: dict[int, float]) -> dict[int, int]:
         return key_shifts(diffuseness, self.key_shift) if self.shifts_layers else {}
-
-    def position_knob(self) -> str | None:
-        return "pre_rope" if self.pre_rope else None
 
     def lighter(self, d: int) -> TurboQuant | None:
         """The seeded-sign Hadamard rotation (d bytes) in place of the dense one, where d is a power of 2."""
