@@ -14,6 +14,8 @@ Public API:
     TurboQuant, KIVI: the quantizers, as configs (e.g. a summary's `cover=TurboQuant(bits=3.5)`).
     Policy, Decision, generate: pick the method and budget per request from a measured break-even table.
     DecodingEviction: bound the cache while generating.
+    Store: a directory of compressed prefixes shared by processes (compress once, load afterwards).
+    load_cache: a cache saved with `cache.save(path)`, in any process.
     load_model: the bundled models; KVSumError: every error kvsum raises on bad input.
 """
 
@@ -30,8 +32,8 @@ __version__ = "0.1.0"
 _API = {"Cache": ".cache", "compress": ".compress", "compress_prefill": ".compress", "DecodingEviction": ".decoding",
         "LayerInput": ".methods", "Method": ".methods", "Plan": ".methods", "make_method": ".methods",
         "register": ".methods", "KIVI": ".methods.quant.kivi", "TurboQuant": ".methods.quant.turboquant",
-        "load_model": ".models", "Decision": ".policy", "Policy": ".policy", "generate": ".policy",
-        "prefill": ".prefill", "EntryState": ".state", "LayerState": ".state"}
+        "load_model": ".models", "load_cache": ".persist", "Decision": ".policy", "Policy": ".policy",
+        "generate": ".policy", "prefill": ".prefill", "Store": ".store", "EntryState": ".state", "LayerState": ".state"}
 
 
 def methods() -> dict[str, str]:
@@ -59,5 +61,5 @@ sys.modules[__name__].__class__ = _Package
 
 
 __all__ = ["KIVI", "Cache", "Decision", "DecodingEviction", "EntryState", "KVSumError", "LayerInput", "LayerState",
-           "Method", "Plan", "Policy", "TurboQuant", "compress", "compress_prefill", "generate", "load_model",
-           "make_method", "methods", "prefill", "register"]
+           "Method", "Plan", "Policy", "Store", "TurboQuant", "compress", "compress_prefill", "generate", "load_cache",
+           "load_model", "make_method", "methods", "prefill", "register"]

@@ -126,6 +126,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=9, help="decode steps per cache (median)")
     b.add_argument("--threads", type=int, default=2, help="torch threads")
     b.add_argument("--out", default=str(commands.RESULTS / "breakeven"), help="output stem (.json and .md)")
+
+    st = _sub(sub, "store", "the prefix store of compressed caches (kvsum.Store): list, size, remove",
+              commands.cmd_store)
+    st.add_argument("action", choices=["ls", "du", "rm"], help="ls: entries, most recently used first; du: bytes "
+                    "on disk; rm: remove entries")
+    st.add_argument("keys", nargs="*", help="with rm: the keys of the entries to remove (see ls)")
+    st.add_argument("--all", action="store_true", help="with rm: remove every entry")
+    st.add_argument("--dir", default=None, help="store directory (default: $KVSUM_CACHE/store, else "
+                    "~/.cache/kvsum/store)")
     return p
 
 

@@ -268,3 +268,27 @@ def cmd_bench(args) -> None:
     out.with_suffix(".md").write_text(md)
     print(md)
     print(f"wrote {out}.json and {out}.md; use it with kvsum.Policy(table='{out}.json')")
+
+
+def cmd_store(args) -> None:
+    """kvsum store ls | du | rm KEY... | rm --all: the prefix store's entries (kvsum.Store)."""
+    from .store import Store, age
+
+    if args.action == "rm" and not (args.keys or args.all):
+        raise KVSumError("kvsum store rm needs entry keys (see kvsum store ls) or --all")
+    store = Store(args.dir)
+    if args.action == "ls":
+        rows = store.ls()
+        print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'} in {store.directory}")
+        for r in rows:
+            print(f"{r['key']}  {r['bytes'] / 2**20:9.2f} MiB  used {age(r['used']):>4} ago  {r['tokens']} tokens  "
+                  f"budget {r['budget']}  {r['spec']}")
+    elif args.action == "du":
+        print(f"{store.du() / 2**20:.2f} MiB in {len(store.ls())} entries, {store.directory}")
+    else:
+        done = {} if args.all else {k: store.rm(k) for k in args.keys}
+        removed = store.clear() if args.all else sum(done.values())
+        print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {store.directory}")
+        missing = [k for k, ok in done.items() if not ok]
+        if missing:
+            raise KVSumError(f"no entry {', '.join(missing)} in {store.directory}")

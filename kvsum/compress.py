@@ -45,12 +45,13 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
     pre = check_prefill(pre)
     s = pre.shape
     if method.name == "full":
-        if consume:
-            return pre.cache
-        out = Cache(s.n_layers, s.windows)
-        for src, dst in zip(pre.cache.layers, out.layers):
-            _copy_layer(src, dst)
-        out.copy_references(pre.cache)
+        out = pre.cache
+        if not consume:
+            out = Cache(s.n_layers, s.windows)
+            for src, dst in zip(pre.cache.layers, out.layers):
+                _copy_layer(src, dst)
+            out.copy_references(pre.cache)
+        out.config = method
         return out
     glob = s.global_layers
     if not glob:
@@ -85,7 +86,7 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
             else:
                 _copy_layer(pre.cache.layers[i], out.layers[i])
     out.copy_references(pre.cache)
-    out.method, out.budget = method.name, budget
+    out.method, out.budget, out.config = method.name, budget, method
     streams = {i: method.stream(i, state) for i, state in zip(glob, states)}
     if any(st is not None for st in streams.values()):
         out.attach(streams.get)  # e.g. quantizers: generated tokens are quantized as they arrive

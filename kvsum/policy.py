@@ -159,23 +159,32 @@ class Policy:
 
 
 def generate(model, tokenizer, context, question: str = "", policy: Policy | None = None,
-             max_new_tokens: int = 64, return_cache: bool = False, **gen_kwargs):
+             max_new_tokens: int = 64, return_cache: bool = False, *, questions: list[str] | None = None,
+             cache=None, **gen_kwargs):
     """Answer `question` about `context` (text or (1, T) ids) greedily, the context's cache chosen by `policy`.
 
     When the policy keeps the full cache, this is exactly `model.generate` on context + question (no kvsum
     prefill, no extra work); otherwise the context is compressed first and the question read on top of it.
     Returns the generated text, or (text, cache) with `return_cache` (the cache's `decision` says why).
+
+    `questions=[...]`: several questions about one context, from one compression (or from `cache`, a cache of
+    the context already compressed or loaded, e.g. from a kvsum.Store): each question reads its own
+    `cache.fork()`, so it gets what it would get on a fresh compression. Returns the list of answers (and the
+    untouched prefix cache with `return_cache`). With the full cache the context is prefilled once too.
     """
     policy = policy if policy is not None else Policy()
     ctx = context if isinstance(context, torch.Tensor) else tokenizer(context, return_tensors="pt").input_ids
     device = next(model.parameters()).device
     ctx = check_ids(model, ctx.to(device))
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, **gen_kwargs)
+    if questions is not None or cache is not None:
+        return _many(model, tokenizer, ctx, [question] if questions is None else questions, policy, cache, gen,
+                     return_cache, single=questions is None)
     q = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     ids = torch.cat([ctx, q], dim=-1)
     if q.shape[-1] == 0:  # generate needs one token the cache has not seen: read the context's last on top
         ctx = check_ids(model, ctx[:, :-1])
     d = policy.choose(ctx.shape[-1], model)
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id, **gen_kwargs)
     if d.method == "full":
         cache = None
         if return_cache:
@@ -188,3 +197,26 @@ def generate(model, tokenizer, context, question: str = "", policy: Policy | Non
         cache.decision = d
     text = tokenizer.decode(out[0, ids.shape[-1]:], skip_special_tokens=True)
     return (text, cache) if return_cache else text
+
+
+def _many(model, tokenizer, ctx, questions, policy, cache, gen, return_cache, single):
+    """Every question answered on a fork of one compressed prefix (see generate)."""
+    if isinstance(questions, str) or not questions:
+        raise KVSumError("questions must be a non-empty list of strings")
+    qs = [tokenizer(q, return_tensors="pt", add_special_tokens=False).input_ids.to(ctx.device) for q in questions]
+    if any(q.shape[-1] == 0 for q in qs):
+        raise KVSumError("every question needs at least one token (the cache holds the whole context)")
+    if cache is None:
+        d = policy.choose(ctx.shape[-1], model)
+        cache = compress(model, ctx, method=d.method, budget=d.budget, tokenizer=tokenizer, **d.knobs)
+        cache.decision = d
+    elif cache.get_seq_length() != ctx.shape[-1]:
+        raise KVSumError(f"the cache given holds {cache.get_seq_length()} tokens; the context has {ctx.shape[-1]} "
+                         "(pass the cache of this context, before any question was read on it)")
+    answers = []
+    for q in qs:
+        ids = torch.cat([ctx, q], dim=-1)
+        out = model.generate(ids, cache=cache.fork(), **gen)
+        answers.append(tokenizer.decode(out[0, ids.shape[-1]:], skip_special_tokens=True))
+    result = answers[0] if single else answers
+    return (result, cache) if return_cache else result

@@ -216,8 +216,9 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
         scores = rs.scores
     cache.reference_nbytes, cache.budget_reference_nbytes = shape.reference_nbytes(T)
     cache.model_reference_nbytes = shape.reference_nbytes(T, 8 * cache.layers[0].keys.element_size())[0]
+    cache.fingerprint = fingerprint(model, strict=False)
     return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, ends, scores,
-                   rope_of(model, shape.head_dim, shape.n_layers), fingerprint(model, strict=False))
+                   rope_of(model, shape.head_dim, shape.n_layers), cache.fingerprint)
 
 
 def check_prefill(pre) -> Prefill:

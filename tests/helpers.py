@@ -85,8 +85,9 @@ class CharTokenizer:
 
     pad_token_id = eos_token_id = 0
 
-    def __call__(self, s, add_special_tokens=False):
-        return SimpleNamespace(input_ids=[ord(c) if ord(c) < 128 else ord("?") for c in s])
+    def __call__(self, s, add_special_tokens=False, return_tensors=None):
+        ids = [ord(c) if ord(c) < 128 else ord("?") for c in s]
+        return SimpleNamespace(input_ids=torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids)
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(int(i)) for i in ids)

@@ -70,7 +70,7 @@ def test_every_option_has_help_and_shows_its_default():
             assert a.help, f"kvsum {name} {a.option_strings or a.dest} has no help line"
             if a.option_strings and a.default is not None and a.default is not False:
                 assert "default" in (sp._get_formatter()._get_help_string(a)), (name, a.option_strings)
-        assert "(default: smollm2)" in text or name == "methods"
+        assert "(default: smollm2)" in text or name in ("methods", "store")  # store: no model
 
 
 def test_outputs_go_under_the_working_directory_by_default():
@@ -126,3 +126,19 @@ def test_bench_breakeven_bad_arguments_exit_2(argv, capsys):
 def test_cli_rejects_bad_dtype(capsys):
     assert cli.main(["stability", "--dtypes", "fp8"]) == 2
     assert "fp8" in capsys.readouterr().err
+
+
+def test_store_lists_sizes_and_removes_entries(capsys, tmp_path, tiny, ids):
+    store = kvsum.Store(tmp_path)
+    store.get_or_compress(tiny, ids, method="snapkv", budget=0.25)
+    key = store.key(tiny, ids, "snapkv", 0.25)
+    assert main(["store", "ls", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 entry" in out and key in out and "snapkv" in out and "300 tokens" in out
+    assert main(["store", "du", "--dir", str(tmp_path)]) == 0
+    assert f"{store.du() / 2**20:.2f} MiB in 1 entries" in capsys.readouterr().out
+    assert main(["store", "rm", "nope", "--dir", str(tmp_path)]) == 2
+    assert "no entry nope" in capsys.readouterr().err
+    assert main(["store", "rm", key, "--dir", str(tmp_path)]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out and store.ls() == []
+    assert main(["store", "rm", "--dir", str(tmp_path)]) == 2

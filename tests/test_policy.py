@@ -5,7 +5,7 @@ import pytest
 import kvsum
 from kvsum.breakeven import crossing
 from kvsum.errors import KVSumError
-from tests.helpers import tiny_llama
+from tests.helpers import CharTokenizer, random_ids, tiny_llama
 
 LENGTHS = [256, 512, 1024, 2048, 4096]
 
@@ -96,3 +96,26 @@ def test_shipped_table_loads_and_gives_a_policy():
     p = kvsum.Policy()
     assert set(p.table["lengths"]) and p.mid in p.table["methods"] and p.long in p.table["methods"]
     assert p.choose(64).method == "full"  # compression never pays on a 64-token prompt
+
+
+@pytest.mark.parametrize("memory", [0.25, None])
+def test_several_questions_from_one_compression_answer_as_each_alone(tiny, memory):
+    """questions=[...] answers each question on a fork of one compressed prefix: what each gets on its own fresh
+    compression (memory binds: compressed; it does not: the full cache, prefilled once)."""
+    tok, ctx = CharTokenizer(), random_ids(400, 3)
+    policy = kvsum.Policy(memory=memory)
+    questions = ["Where is the key?", "And the value"]
+    answers, prefix = kvsum.generate(tiny, tok, ctx, questions=questions, policy=policy, max_new_tokens=12,
+                                     return_cache=True)
+    assert prefix.get_seq_length() == ctx.shape[1]  # the prefix itself read no question
+    assert prefix.method != "full" if memory else prefix.method == "full"
+    alone = [kvsum.generate(tiny, tok, ctx, q, policy=policy, max_new_tokens=12) for q in questions]
+    if memory:
+        assert answers == alone
+    again = kvsum.generate(tiny, tok, ctx, questions=questions[::-1], cache=prefix, max_new_tokens=12)
+    assert again == answers[::-1]  # a given (e.g. loaded) prefix serves any number of questions
+    for bad, match in ((dict(questions=[]), "non-empty list"), (dict(questions=["a", ""]), "at least one token"),
+                       (dict(questions=["a"], cache=kvsum.compress(tiny, ctx[:, :300], method="snapkv")),
+                        "holds 300 tokens")):
+        with pytest.raises(KVSumError, match=match):
+            kvsum.generate(tiny, tok, ctx, policy=policy, **bad)

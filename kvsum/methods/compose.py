@@ -30,6 +30,22 @@ from .quantizer import KeyShiftPlan, Quantizer
 from .refusal import budget_hint, least_budget
 
 
+@dataclass(frozen=True)
+class DecodedCodes:
+    """Builds the state of a composed layer's decoded tokens as its kept entries were built (a value, not a
+    closure, so a cache that holds it can be saved)."""
+
+    quant: Quantizer
+    bits: float
+    layer_idx: int
+    shift: int
+    storage: torch.dtype
+
+    def __call__(self, keys: Tensor, values: Tensor):
+        return self.quant.build(keys, values, self.bits, layer_idx=self.layer_idx, shift=self.shift,
+                                storage=self.storage, decoded=True)
+
+
 class ComposedState:
     """Kept entries (all heads) quantized as one state, with fp16 biases. Equal lengths per head: the
     quantizer sees (H, n, d). Ragged lengths: it sees the packed entries as one head (1, N, d). Where it
@@ -261,5 +277,4 @@ class Composed(Method):
         if not isinstance(state, ComposedState):
             return None
         return QuantStream(self.quant.group, self.quant.residual,
-                           new=lambda k, v: state.quant.build(k, v, self.bits, layer_idx=layer_idx, shift=state.shift,
-                                                              storage=state.storage, decoded=True))
+                           new=DecodedCodes(state.quant, self.bits, layer_idx, state.shift, state.storage))

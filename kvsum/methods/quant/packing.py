@@ -83,14 +83,21 @@ class Packed:
     """A tensor of b-bit codes held packed; `codes()` unpacks it to its shape (uint8).
 
     `append` grows it along its first dimension in place, still one packed store (decoding-time
-    quantization appends a group of tokens at a time, so states keep tokens on the first dimension)."""
+    quantization appends a group of tokens at a time, so states keep tokens on the first dimension).
+    A saved cache holds the codes, not the word table: the table is the process's own (`transient`), and
+    `restore` resolves it again on load."""
+
+    transient = ("table",)
 
     def __init__(self, codes: Tensor, bits: int, levels: tuple[float, ...] | None = None):
         self.bits, self.shape, self.levels = bits, tuple(codes.shape), levels
         self.data = pack(codes, bits)
-        # the shared word table, resolved once here rather than at every decoding step
-        self.table = level_table(levels, bits, str(self.data.device)) if levels else None
-        if levels:
+        self.restore()
+
+    def restore(self) -> None:
+        """Resolve the shared word table once here rather than at every decoding step."""
+        self.table = level_table(self.levels, self.bits, str(self.data.device)) if self.levels else None
+        if self.levels:
             native.library()  # the kernel that reads such codes is built now (once), not in a decoding step
 
     def codes(self) -> Tensor:
