@@ -90,7 +90,11 @@ class KvsumSerializer(Serializer):
             raise KVSumError(f"kvsum serde: {len(data)} bytes do not fit the {out.numel()}-byte buffer "
                              "estimate_serialized_size asked for")
         out[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return len(data)
+        out[len(data):].zero_()
+        # The whole buffer, not len(data): LMCache 0.5.6's filesystem adapter stores what serialize reports but reads
+        # a chunk back into a buffer of the estimated size and takes a shorter file for a miss ("Incomplete read").
+        # The frame's length field tells the deserializer where the payload ends.
+        return out.numel()
 
     def estimate_serialized_size(self, layout_desc) -> int:
         """The chunk's payload size, measured once per layout on a random chunk of that shape (a quantizer's

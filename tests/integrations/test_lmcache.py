@@ -75,13 +75,14 @@ def round_trip(kv, key=None, method=METHOD):
 def test_a_chunk_comes_back_as_the_kv_kvsum_attends_over_and_greedy_generation_is_bit_identical():
     model, ids = tiny_llama(), random_ids(256, 1)
     kv = chunk(model, ids)
-    _, n, back = round_trip(kv, Key())
+    buf, n, back = round_trip(kv, Key())
+    assert n == buf.numel()  # the whole buffer (LMCache's fs adapter reads back the estimated size)
     ref = kvsum.compress(model, ids, method="turboquant", budget=1.0, bits=4, key_shift=0)
     expected = codec.dense_kv(ref)
     for i, (k, v) in enumerate(expected):  # the pages hold exactly what kvsum's compressed cache attends over
         assert torch.equal(back[0, i], k.transpose(0, 1).reshape(256, 32))
         assert torch.equal(back[1, i], v.transpose(0, 1).reshape(256, 32))
-    assert n < 0.5 * kv.numel() * 2  # vs 16 bits: 4-bit codes, norms, rotation, and a header large next to 32 KiB
+    assert len(codec.unframe(buf)) < 0.5 * kv.numel() * 2  # vs 16 bits: 4-bit codes, norms, rotation, a header
     full = torch.cat([ids, random_ids(6, 2)], -1)
     assert torch.equal(greedy(model, full, as_cache(model, back), steps=12), greedy(model, full, ref, steps=12))
 
@@ -94,15 +95,17 @@ def test_a_half_precision_chunk_round_trips_in_its_dtype():
 
 def test_the_estimate_bounds_the_payload_tightly():
     kv = chunk(tiny_llama(), random_ids(128, 1))
-    buf, n, _ = round_trip(kv, Key("a-much-longer/model-name-than-the-probe's"))
-    assert n <= buf.numel() <= n + MARGIN + 512
+    buf, _, _ = round_trip(kv, Key("a-much-longer/model-name-than-the-probe's"))
+    n = 8 + len(codec.unframe(buf))
+    assert n <= buf.numel() <= n + MARGIN and bool((buf[n:] == 0).all())
 
 
 def test_a_corrupted_payload_raises_and_writes_nothing():
     kv = chunk(tiny_llama(), random_ids(64, 1))
     ser, de = KvsumSerializer(16), KvsumDeserializer(16)
     buf = torch.zeros(ser.estimate_serialized_size(Layout(kv.shape, kv.dtype)), dtype=torch.uint8)
-    n = ser.serialize(Obj(kv), Obj(buf), Key())
+    ser.serialize(Obj(kv), Obj(buf), Key())
+    n = 8 + len(codec.unframe(buf))
     for where in (n - 3, n // 2, 20):  # a code byte, the middle, the header
         bad = buf.clone()
         bad[where] ^= 0x10
@@ -198,3 +201,74 @@ def test_through_lmcaches_serde_factory_and_async_processor():
         assert bool((spoiled == 7.0).all())
     finally:
         proc.close()
+
+
+def test_lmcaches_filesystem_backend_carries_kvsum_chunks(tmp_path):
+    """LMCache's StorageManager with its filesystem L2 adapter and the "kvsum" serde, on CPU: a chunk written to
+    L1 is stored on disk as kvsum bytes, L1 is cleared, a prefetch loads it back; then a byte altered on disk
+    makes the prefetch a miss (the engine recomputes), never wrong KV."""
+    pytest.importorskip("lmcache")
+    from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
+    from lmcache.v1.distributed.config import (
+        EvictionConfig,
+        L1ManagerConfig,
+        L1MemoryManagerConfig,
+        StorageManagerConfig,
+    )
+    from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2AdapterConfig
+    from lmcache.v1.distributed.serde import SerdeConfig
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    from kvsum.integrations import lmcache as kl
+
+    kl.register()
+    fs = FSL2AdapterConfig(base_path=str(tmp_path), relative_tmp_dir=None, read_ahead_size=None, use_odirect=False)
+    fs.serde_config = SerdeConfig(type="kvsum", kwargs={"head_dim": 16, "method": METHOD})
+    memory = L1MemoryManagerConfig(size_in_bytes=64 << 20, use_lazy=False, init_size_in_bytes=32 << 20)
+    sm = StorageManager(StorageManagerConfig(l1_manager_config=L1ManagerConfig(memory_config=memory),
+                                             eviction_config=EvictionConfig(eviction_policy="LRU"),
+                                             l2_adapter_config=L2AdaptersConfig(adapters=[fs])))
+    try:
+        model, ids = tiny_llama(), random_ids(256, 1)
+        kv = chunk(model, ids)
+        layout = MemoryLayoutDesc(shapes=[kv.shape], dtypes=[kv.dtype])
+        keys = [ObjectKey(chunk_hash=b"\x00" * 31 + b"\x01", model_name="tiny", kv_rank=0)]
+        sm.reserve_write(keys, layout)[keys[0]].tensor.view(kv.shape).view(kv.dtype).copy_(kv)
+        sm.finish_write(keys)
+        assert _until(lambda: sm.report_status()["store_controller"]["in_flight_task_count"] == 0
+                      and any(p.is_file() for p in tmp_path.iterdir()))
+        (path,) = [p for p in tmp_path.iterdir() if p.is_file()]
+        assert path.stat().st_size < 0.3 * kv.numel() * kv.element_size()  # vs the fp32 chunk in L1
+
+        def prefetch():
+            sm.clear(force=True)
+            spec = PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=layout)])
+            handle = sm.submit_prefetch_task(spec)
+            result = []
+            assert _until(lambda: result.append(sm.query_prefetch_status(handle)) or result[-1] is not None)
+            return result[-1]
+
+        assert prefetch().hit_cells[0].count_leading_ones() == 1
+        with sm.read_prefetched_results(keys) as objs:
+            got = objs[0].tensor.view(kv.shape).view(kv.dtype).clone()
+        sm.finish_read_prefetched(keys)
+        ref = kvsum.compress(model, ids, method="turboquant", budget=1.0, bits=4, key_shift=0)
+        full = torch.cat([ids, random_ids(6, 2)], -1)
+        assert torch.equal(greedy(model, full, as_cache(model, got), steps=12), greedy(model, full, ref, steps=12))
+
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        path.write_bytes(bytes(data))
+        assert prefetch().hit_cells[0].count_leading_ones() == 0
+    finally:
+        sm.close()
+
+
+def _until(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
