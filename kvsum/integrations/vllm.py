@@ -173,9 +173,9 @@ class KvsumConnector(KVConnectorBase_V1):
             meta.saves.append(Transfer(rid, key, 0, n, slots(block_ids, self._block_size, 0, n)))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        self._pending.pop(request.request_id, None)
-        self._plans.pop(request.request_id, None)
-        return False, None
+        for state in (self._pending, self._plans, self._matches, self._loads):
+            state.pop(request.request_id, None)
+        return False, None  # saves are synchronous (wait_for_save): the blocks may be freed now
 
     # ---- worker side ---------------------------------------------------------------------------------------
 

@@ -155,6 +155,8 @@ def test_a_saved_document_prefix_loads_into_another_requests_pages_as_kvsums_own
     for i, (k, v) in enumerate(read_pages(buffers, blocks, 96)):
         cache.update(k[None].contiguous(), v[None].contiguous(), i)
     assert torch.equal(greedy(model, ids2, cache, steps=10), greedy(model, ids2, ref, steps=10))
+    (row,) = conn.prefixes.store.ls()  # an ordinary Store entry: `kvsum store ls|du|rm` see it
+    assert row["tokens"] == 96 and "turboquant" in str(row)
 
 
 def test_a_local_prefix_hit_is_not_overwritten(tmp_path):
