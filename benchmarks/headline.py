@@ -1,6 +1,7 @@
 """The headline frontier, from the committed result files alone (no model runs): for each family's best
 configuration at each budget, the bytes it holds (a share of the full 16-bit cache) against passkey / multikey
-accuracy at 2k tokens and the lm KL, the full cache beside; every cell names the file it comes from.
+accuracy at 2k tokens and the lm KL, the full cache beside, and the same configuration's NIAH single score at
+16k and 32k tokens on Qwen2.5-Coder-0.5B (the long-context benchmark); every cell names the file it comes from.
 
 Rows are the eval runner's rows (task, length, method, knobs, budget, n, score, full_score, kl, ratio) of every
 SmolLM2 result under benchmarks/results/. A configuration is (method, knobs, budget); where several files measured
@@ -24,6 +25,9 @@ FAMILIES = {  # method name -> family (compositions: any name with "+")
     **dict.fromkeys(("echokv", "lowrank"), "reconstruction"),
     **dict.fromkeys(("summary", "hae"), "summary"),
 }
+LONG_SOURCE = "long/long_suite.json"  # the long-context column: Qwen2.5-Coder-0.5B, NIAH single on prose and code
+LONG_LENGTHS = (16384, 32768)
+LONG_TASKS = ("niah_single", "niah_single_code")
 MIN_N = 20  # fewer examples than this only where nothing larger was measured (one example is 5 points at 20)
 ORDER = ("eviction", "quantization", "reconstruction", "summary", "composition")
 
@@ -122,6 +126,40 @@ def spec_of(method: str, knobs: dict) -> str:
     return method + (":" + ",".join(rest) if rest else "")
 
 
+def long_cells(results: Path, table: list[dict]) -> None:
+    """Add each headline row's long-context cell: the same configuration in the long-context benchmark at a budget
+    in (budget / 2, budget] (its own budget named where it differs), NIAH single over prose and code at each of
+    LONG_LENGTHS, the full cache on the same examples beside it."""
+    path = results / LONG_SOURCE
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    for t in table:
+        spec = spec_of(t["method"], t["knobs"])
+        match = [r for r in rows if r["config"] == spec and r["task"] in LONG_TASKS
+                 and (r["budget"] == 1.0 if t["method"] == "full" else t["budget"] / 2 < r["budget"] <= t["budget"])]
+        cells = {}
+        for L in LONG_LENGTHS:
+            rs = [r for r in match if r["length"] == L]
+            if rs:
+                n = sum(r["n"] for r in rs)
+                cells[str(L)] = dict(value=sum(r["score"] * r["n"] for r in rs) / n, n=n, budget=rs[0]["budget"],
+                                     full=sum(r["full_score"] * r["n"] for r in rs) / n, ratio=rs[0]["ratio"])
+        t["long"] = dict(cells, source=LONG_SOURCE) if cells else None
+
+
+def _long(r: dict) -> str:
+    c = r.get("long")
+    if not c:
+        return "-"
+    parts = []
+    for L in LONG_LENGTHS:
+        x = c.get(str(L))
+        if x:
+            parts.append(f"{L // 1024}k: {x['value']:.0f}" + ("" if r["method"] == "full" else f" ({x['full']:.0f})")
+                         + f", n = {x['n']}")
+    own = next((c[str(L)]["budget"] for L in LONG_LENGTHS if str(L) in c), r["budget"])
+    return "; ".join(parts) + ("" if r["method"] == "full" or own == r["budget"] else f" (at {own:g})")
+
+
 def _md(table: list[dict]) -> str:
     def spec(r):
         return spec_of(r["method"], r["knobs"])
@@ -137,28 +175,34 @@ def _md(table: list[dict]) -> str:
              "prefix; bytes: `cache.nbytes()` over the full cache at 16 bits (the full cache's own row: 1.000, what it "
              "holds in a 16-bit model; these runs kept it in float32, twice that). Per family and budget, the "
              f"configuration with the best mean retrieval among those measured (on at least {MIN_N} examples per "
-             "task where any was). Sources per cell in headline.json.",
-             "", "| family | budget | configuration | bytes held | passkey | multikey | lm KL | sources |",
-             "|---|---|---|---|---|---|---|---|"]
+             "task where any was). Long context: the same configuration on Qwen2.5-Coder-0.5B, NIAH single "
+             "(prose and code haystacks, string-match recall %) at 16k and 32k tokens, the full cache on the same "
+             f"examples in brackets, from {LONG_SOURCE} (a budget in brackets where it ran at its own). Sources per "
+             "cell in headline.json.",
+             "", "| family | budget | configuration | bytes held | passkey | multikey | lm KL | long context (Qwen) "
+             "| sources |", "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lm = r["lm"]
         cells = [r["passkey"], r["multikey"], lm]
         ratio = 1.0 if r["method"] == "full" else next(c["ratio"] for c in cells if c is not None)
-        sources = ", ".join(dict.fromkeys(c["source"] for c in cells if c is not None))
+        sources = ", ".join(dict.fromkeys([c["source"] for c in cells if c is not None]
+                                          + ([r["long"]["source"]] if r.get("long") else [])))
         kl = "-" if lm is None else f"{lm['value']:.4f} (n = {lm['n']})"
         budget = "1" if r["method"] == "full" else f"{r['budget']:g}"
         lines.append(f"| {r['family']} | {budget} | `{spec(r)}` | {ratio:.3f} | {ret(r['passkey'])} | "
-                     f"{ret(r['multikey'])} | {kl} | {sources} |")
+                     f"{ret(r['multikey'])} | {kl} | {_long(r)} | {sources} |")
     return "\n".join(lines) + "\n"
 
 
 def build(results: Path, out: Path) -> None:
     """Write out/headline.json and .md from the result files under `results`."""
     table = frontier(rows_of(results))
+    long_cells(results, table)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(experiment="headline", run="python -m benchmarks run headline", model="smollm2",
                 built_from="the committed result files under benchmarks/results (no model runs)",
-                retrieval_length=LENGTH, budgets=list(BUDGETS))
+                retrieval_length=LENGTH, budgets=list(BUDGETS), long_source=LONG_SOURCE,
+                long_lengths=list(LONG_LENGTHS), long_tasks=list(LONG_TASKS))
     (out / "headline.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1) + "\n")
     md = _md(table)
     (out / "headline.md").write_text(md)

@@ -21,6 +21,15 @@ def gemma_runs() -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
+LONG = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25",  # each family's best at 0.25 / 0.10 (headline.md)
+        spec("turboquant", (0.25,), bits=2.5, key_basis="pca", pre_rope=True, unbiased="values", skew=0),
+        "echokv@0.25",
+        spec("summary", (0.25,), cover=tq(bits=3.5, center=True), score="surprisal"),
+        spec("summary", (0.125,), cover=tq(bits=1.5, key_basis="pca"), score="surprisal"),  # refuses 0.10
+        spec("snapkv+turboquant", (0.25,), key_shift=1),
+        spec("summary+turboquant", (0.1,), score="sentence", key_shift=1))
+
+
 def perf(part: str, doc: str, *runs: tuple[str, ...]) -> Experiment:
     return Experiment(f"perf_{part}", "perf", "perf", doc, part=part, threads=2, runs=runs or ((),))
 
@@ -70,6 +79,12 @@ EXPERIMENTS = [
                "weights + full cache + a chunk; compression time and its exponent", threads=2,
                runs=(("--lengths", "2048", "4096", "8192", "16384"),
                      ("--lengths", "32768", "--methods", "full", "snapkv", "turboquant"))),
+    Experiment("long_suite", "long", "long_suite", "Qwen at 4k-32k: each family's best at 0.25 / 0.10 beside the "
+               "full cache on NIAH single (prose, code): score, compress / prefill, decode / full, bytes, peak memory",
+               threads=1, runs=(("--lengths", "32768", "--n", "2", "--methods", *LONG),
+                                ("--lengths", "4096", "--n", "1", "--methods", *LONG),
+                                ("--lengths", "16384", "8192", "--n", "1", "--methods", *LONG),
+                                ("--lengths", "16384", "--n", "2", "--methods", *LONG))),
     Experiment("bad_input", "robust", "bad_input", "every bad input and the error kvsum gives"),
     Experiment("properties", "robust", "properties", "hypothesis statistics of the property tests", ext="txt"),
     Experiment("report", "report", "kvsum", "the decision report (kvsum report): report.html, report.md",
