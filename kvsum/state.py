@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from . import kernels
 from .errors import KVSumError
 
 
@@ -33,6 +34,7 @@ class LayerState(Protocol):
 
 
 MASKED_MAX = 1024  # ragged entries up to which EntryState reads all heads in one masked matmul (see _masked)
+KERNEL_ROWS = 16  # query rows per KV head up to which ragged heads on CUDA are read by the Triton kernels
 
 
 def tensor_bytes(*tensors: Tensor | None) -> int:
@@ -46,7 +48,8 @@ class EntryState:
     (sum of lengths, d) tensor, so nothing is padded and dropped entries take no memory. With equal
     lengths the packed tensor is viewed as (1, H, n, d) for batched matmuls; with ragged lengths each head's
     queries are scored against that head's own slice (scores padded with -inf to the longest head), or, up to
-    MASKED_MAX entries in all, against all of them in one matmul with the other heads' entries masked.
+    MASKED_MAX entries in all, against all of them in one matmul with the other heads' entries masked. On CUDA a
+    decoding step reads ragged heads with one Triton launch per layer (kvsum/kernels/ragged.py), padded likewise.
     """
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], bias: list[Tensor] | None = None,
@@ -81,6 +84,9 @@ class EntryState:
             if self.bias is not None:
                 s = s + self.bias.view(1, self.H, 1, n).float()
             return s
+        if self._kernel(q.shape[2]):  # CUDA: one launch over every head's own entries (kvsum/kernels/ragged.py)
+            from .kernels import ragged
+            return ragged.scores(q[0], self.keys, self.bias, self._starts(), max(self._lengths), scale)[None]
         if self._masked():  # few entries: one matmul over all of them, the other heads' entries masked
             H, M, d = q.shape[1:]
             q2, k = q.reshape(H * M, d), self.keys.float().t()
@@ -96,6 +102,13 @@ class EntryState:
             for h, (a, n) in enumerate(self._slices()):
                 s[0, h, :, :n] += self.bias[a:a + n].float()
         return s
+
+    def _kernel(self, rows: int) -> bool:
+        """Whether ragged heads are read by the Triton kernels: CUDA tensors, a decoding step's rows."""
+        return rows <= KERNEL_ROWS and kernels.serves(self.keys)
+
+    def _starts(self) -> Tensor:
+        return kernels.offsets(self._lengths, self.keys.device)
 
     def _masked(self) -> bool:
         """Whether ragged heads are read in one masked matmul (H times the products, a few operations) rather
@@ -116,6 +129,9 @@ class EntryState:
     def mix(self, p: Tensor) -> Tensor:
         if self.uniform:
             return p @ self.values.view(1, self.H, self._lengths[0], self.values.shape[-1]).float()
+        if self._kernel(p.shape[2]):  # p (1, H, M, longest head), as the kernel's scores were
+            from .kernels import ragged
+            return ragged.mix(p[0], self.values, self._starts())[None]
         if self._masked():
             return p @ self.values.float()  # the other heads' entries have probability 0
         out = p.new_zeros(*p.shape[:3], self.values.shape[-1])

@@ -7,7 +7,8 @@ faster to attend than the full one it replaces. It is compiled on first use with
 (AVX2 and FMA required) and cached beside the converted models; without a compiler, on a CPU without
 AVX2, on other devices or with KVSUM_NATIVE=0, the PyTorch path runs instead (same numbers up to float
 summation order). TurboQuant's rotated path (summary's code cover included) and KIVI read their codes
-through it (`score` / `mix` and `score_groups` / `mix_runs`).
+through it (`score` / `mix` and `score_groups` / `mix_runs`). On CUDA tensors the same calls run the Triton
+kernels of kvsum/kernels/ instead (where triton is installed; KVSUM_NATIVE=0 turns them off too).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ... import kernels
 from ...models import cache_dir
 
 SOURCE = Path(__file__).with_name("codes.c")
@@ -84,9 +86,12 @@ def library() -> ctypes.CDLL | None:
 
 
 def serves(rows: int, *codes) -> bool:
-    """Whether the kernel runs here for `rows` query rows per KV head over these Packed codes (on the CPU)."""
-    return (0 < rows <= MAX_ROWS and all(c.data.device.type == "cpu" for c in codes)
-            and library() is not None)
+    """Whether a kernel runs here for `rows` query rows per KV head over these Packed codes: the Triton kernels on
+    CUDA tensors (kvsum.kernels), this one on the CPU."""
+    if not 0 < rows <= MAX_ROWS:
+        return False
+    return kernels.serves(*(c.data for c in codes)) or (all(c.data.device.type == "cpu" for c in codes)
+                                                         and library() is not None)
 
 
 def usable(parts: list, rows: int) -> bool:
@@ -140,6 +145,9 @@ def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None
     (+ add[h, t]). With `runs` (H + 1 token offsets into a side of one head) query
     head h reads only tokens runs[h] to runs[h + 1]: (H, M, longest run), -inf past the end of each run."""
     runs = _runs(runs, q.shape[0], parts)
+    if kernels.serves(parts[0][0].data):
+        from ...kernels import codes as gpu
+        return gpu.score(parts, q, norm, scale, add, runs)
     args, keep = _side(parts, q.shape[-1], runs, q.shape[0])
     q, norm = q.float().contiguous(), norm.float().contiguous()
     add = add.float().contiguous() if add is not None else None
@@ -153,6 +161,9 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None
     """Weights p (H, M, T) over the coded side -> (H, M, d): sum_t p[h, m, t] norm[h, t] levels(t, h); with `runs`
     as in `score`, p (H, M, longest run)."""
     runs = _runs(runs, p.shape[0], parts)
+    if kernels.serves(parts[0][0].data):
+        from ...kernels import codes as gpu
+        return gpu.mix(parts, p, norm, d, runs)
     args, keep = _side(parts, d, runs, p.shape[0])
     p, norm = p.float().contiguous(), norm.float().contiguous()
     out = p.new_zeros(p.shape[0], p.shape[1], d)
@@ -164,6 +175,9 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None
 def score_groups(codes, levels: Tensor, qg: Tensor) -> Tensor:
     """KIVI's keys: packed codes (G, H, g, d) against one query per group and head, qg (G, H, M, d) -> (H, M, G * g):
     sum_j qg[gi, h, m, j] levels[code(gi, h, u, j)] at token gi * g + u."""
+    if kernels.serves(codes.data):
+        from ...kernels import kivi as gpu
+        return gpu.score_groups(codes, levels, qg)
     G, H, g, d = codes.shape
     qg, levels = qg.float().contiguous(), levels.float().contiguous()
     out = qg.new_zeros(H, qg.shape[2], G * g)
@@ -176,6 +190,9 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
     """KIVI's values: weights p (H, M, T) over packed codes (T, H, d / ch, ch) with a scale and a minimum per token,
     head and run of ch channels, norms and mins (d / ch, H, T) -> (H, M, d):
     sum_t p[h, m, t] (norms[j / ch, h, t] levels[code(t, h, j)] + mins[j / ch, h, t])."""
+    if kernels.serves(codes.data):
+        from ...kernels import kivi as gpu
+        return gpu.mix_runs(codes, levels, p, norms, mins)
     T, H, runs, ch = codes.shape
     p, levels = p.float().contiguous(), levels.float().contiguous()
     norms, mins = norms.float().contiguous(), mins.float().contiguous()

@@ -1,0 +1,105 @@
+"""Triton kernels for KIVI's packed codes (native.score_groups / native.mix_runs on the GPU).
+
+Keys: codes (G, H, g, d), group gi of g tokens with its own per-channel scales, which the caller folds into one
+query per group and head. Values: codes (T, H, d) with a scale and a minimum per token, head and run of ch
+channels, applied here while the codes are decoded (codes.py's `_levels`): no code is expanded in global memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import chunk, levels_on, next_pow2
+from .codes import BM, BT, _levels
+
+
+@triton.jit
+def _group_kernel(out, qg, data, lv, H, g, M, T_out, D: tl.constexpr, BITS: tl.constexpr, BG: tl.constexpr,
+                  BM: tl.constexpr, BC: tl.constexpr):
+    """out[h, m, gi * g + u] = sum_j qg[gi, h, m, j] levels[code(gi, h, u, j)], one program per (head, group)."""
+    h, gi = tl.program_id(0), tl.program_id(1)
+    u = tl.arange(0, BG)
+    um = u < g
+    m = tl.arange(0, BM)
+    mm = m < M
+    row = ((gi * H + h) * g + u).to(tl.int64)
+    acc = tl.full((BG, BM), 0.0, tl.float32)
+    for c0 in tl.static_range(0, D, BC):
+        j = c0 + tl.arange(0, BC)
+        jm = j < D
+        x = _levels(data, row[:, None] * D + j[None, :], lv, BITS, um[:, None] & jm[None, :])
+        qv = tl.load(qg + ((gi * H + h) * M + m[:, None]) * D + j[None, :], mask=mm[:, None] & jm[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(qv), input_precision="ieee")
+    t = gi * g + u
+    tl.store(out + (h * M + m[None, :]) * T_out + t[:, None], acc, mask=um[:, None] & mm[None, :])
+
+
+@triton.jit
+def _runs_kernel(part, p, sp_h, sp_m, data, lv, norms, sn_r, sn_h, sn_t, mins, sm_r, sm_h, sm_t, T, H, M, ch, CHUNK,
+                 D: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """part[s, h, m, j] = sum over tokens t of chunk s: p[h, m, t] (norms[j / ch, h, t] level(t, h, j) +
+    mins[j / ch, h, t]); norms and mins read through their strides (no copy), p with token stride 1."""
+    h, s = tl.program_id(0), tl.program_id(1)
+    j = tl.program_id(2) * BC + tl.arange(0, BC)
+    jm = j < D
+    r = j // ch
+    m = tl.arange(0, BM)
+    mm = m < M
+    acc = tl.full((BM, BC), 0.0, tl.float32)
+    t0 = s * CHUNK
+    for tt in range(t0, t0 + CHUNK, BT):
+        t = tt + tl.arange(0, BT)
+        tm = t < T
+        both = tm[:, None] & jm[None, :]
+        x = _levels(data, (t[:, None].to(tl.int64) * H + h) * D + j[None, :], lv, BITS, both)
+        sc = tl.load(norms + r[None, :] * sn_r + h * sn_h + t[:, None] * sn_t, mask=both, other=0.0).to(tl.float32)
+        mn = tl.load(mins + r[None, :] * sm_r + h * sm_h + t[:, None] * sm_t, mask=both, other=0.0).to(tl.float32)
+        w = tl.load(p + h * sp_h + m[:, None] * sp_m + t[None, :], mask=mm[:, None] & tm[None, :], other=0.0)
+        acc += tl.dot(w, x * sc + mn, input_precision="ieee")
+    tl.store(part + ((s * tl.num_programs(0) + h) * M + m[:, None]) * D + j[None, :], acc,
+             mask=mm[:, None] & jm[None, :])
+
+
+def _block(d: int) -> int:
+    return min(64, next_pow2(d))
+
+
+def score_groups(codes, levels: Tensor, qg: Tensor) -> Tensor:
+    """native.score_groups on the GPU: packed codes (G, H, g, d) against qg (G, H, M, d) -> (H, M, G * g)."""
+    G, H, g, d = codes.shape
+    M = qg.shape[2]
+    qg = qg.float().contiguous()
+    out = qg.new_empty(H, M, G * g)
+    if G:
+        _group_kernel[(H, G)](out, qg, codes.data, levels_on(levels, qg.device), H, g, M, G * g, D=d,
+                              BITS=codes.bits, BG=next_pow2(g), BM=BM, BC=_block(d))
+    return out
+
+
+def _tokens_last(t: Tensor) -> Tensor:
+    """t with a unit stride on its last dim (a copy only where it has none)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> Tensor:
+    """native.mix_runs on the GPU: weights p (H, M, T) over packed codes (T, H, d / ch, ch) with a scale and a
+    minimum per token, head and run of ch channels, norms and mins (d / ch, H, T) -> (H, M, d)."""
+    T, H, runs, ch = codes.shape
+    d, M = runs * ch, p.shape[1]
+    p = _tokens_last(p.float())
+    norms, mins = (x.float() if x.dtype == torch.bfloat16 and not x.is_cuda else x for x in (norms, mins))
+    if not T:
+        return p.new_zeros(H, M, d)
+    bc = _block(d)
+    nb = triton.cdiv(d, bc)
+    per = chunk(T, H * nb, BT)
+    S = max(1, triton.cdiv(T, per))
+    part = p.new_empty(S, H, M, d)
+    lv = levels_on(levels, p.device)
+    _runs_kernel[(H, S, nb)](part, p, p.stride(0), p.stride(1), codes.data, lv, norms, *norms.stride(), mins,
+                             *mins.stride(), T, H, M, ch, per,
+                             D=d, BITS=codes.bits, BT=BT, BM=BM, BC=bc)
+    return part.sum(0)
