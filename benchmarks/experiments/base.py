@@ -42,6 +42,8 @@ class Experiment:
             fields above (methods ... n) are then unused.
         out: how the runner is told where to write: "stem" (--out <stem>), "dir" (--out <folder>), "none".
         ext: the main result file's extension (json, or txt for a test log).
+        pending: not run yet, so no result file is committed (a run that needs hardware this checkout's machines
+            lack, e.g. a GPU); ready to run, and its file is committed once it has been.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Experiment:
     runs: tuple[tuple[str, ...], ...] = ()
     out: str = "stem"
     ext: str = "json"
+    pending: bool = False
 
     def stem(self, root: Path = RESULTS) -> Path:
         """Where the results go: <root>/<family>/<name> (.json and .md); a folder for out="dir"."""

@@ -1,0 +1,15 @@
+"""Experiments of the GPU path (issue 34): the Triton kernels on a CUDA machine."""
+
+from __future__ import annotations
+
+from .base import Experiment
+
+EXPERIMENTS = [
+    Experiment("gpu", "gpu", "gpu", "decode step against the full cache (SDPA) at 4k-32k, KV memory held, prefill + "
+               "compression time, Qwen2.5-Coder-0.5B in bf16 on a CUDA GPU: the flagship, TurboQuant 3.5 / 2.5 "
+               "bits, KIVI 4 bits",
+               methods=("summary:cover=turboquant(bits=3.5,center=True),score=surprisal@0.25",
+                        "turboquant:bits=3.5@0.3", "turboquant:bits=2.5@0.25", "kivi:bits=4@0.5"),
+               lengths=(4096, 8192, 16384, 32768), threads=4,
+               args=("--model", "qwen2.5-coder-0.5b", "--dtype", "bf16", "--rounds", "20"), pending=True),
+]

@@ -1,0 +1,172 @@
+"""The GPU path (issue 34): decode step, KV memory and prefill + compression time on a CUDA machine.
+
+For each context length, the prompt (real prose) is prefilled once per prefill kind and compressed by every
+method; then one-token decoding steps over every cache, the full one included (transformers' SDPA attention,
+bit for bit), are timed round-robin with CUDA synchronisation around each step (medians over --rounds; the
+token is cropped off again, so every round sees the same cache). Compressed caches read their packed codes
+and ragged heads through the Triton kernels (kvsum/kernels/). Reported per method and length: step ms and its
+ratio to the full cache's, KV bytes held (cache.nbytes(), and the full cache's over them), the CUDA memory
+allocated while stepping, and the prefill and compression seconds.
+
+    python -m benchmarks.gpu                       # qwen2.5-coder-0.5b, bf16, 4k..32k, the four methods below
+    python -m benchmarks.gpu --lengths 4096 --rounds 5 --out /tmp/gpu   # a quick look
+
+Without CUDA (or without triton) it refuses in one line with exit code 2. `--device cpu` runs the script itself
+at small --lengths for a smoke check (the CPU kernel then serves, not Triton: not the benchmark).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+METHODS = ("summary:cover=turboquant(bits=3.5,center=True),score=surprisal@0.25", "turboquant:bits=3.5@0.3",
+           "turboquant:bits=2.5@0.25", "kivi:bits=4@0.5")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parser():
+    from .common import arguments
+
+    ap = arguments(__doc__, "gpu/gpu", threads=4)
+    ap.set_defaults(model="qwen2.5-coder-0.5b")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="context tokens")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), help="method specs, own budget after @")
+    ap.add_argument("--rounds", type=int, default=20, help="timed steps per cache (medians)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the model's dtype")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run of the script)")
+    return ap
+
+
+def refusal(device: str) -> str | None:
+    """Why this machine cannot run the benchmark (one line), or None."""
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        return "benchmarks.gpu: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"
+    import kvsum.kernels
+
+    if not kvsum.kernels.enabled():
+        return "benchmarks.gpu: the Triton kernels are off (triton not installed: pip install 'kvsum[gpu]', " \
+               "or KVSUM_NATIVE=0)"
+    return None
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str):
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t
+
+
+@torch.no_grad()
+def steps(model, caches: dict, token: torch.Tensor, rounds: int, device: str) -> dict:
+    """Per cache: median step seconds and peak memory allocated while stepping (bytes; 0 on the CPU)."""
+    times = {k: [] for k in caches}
+    peak = {}
+    for cache in caches.values():  # warm-up (Triton compiles each kernel once per shape class)
+        model(token, cache=cache)
+        cache.crop(-1)
+    for r in range(rounds):
+        for k, cache in caches.items():
+            if device.startswith("cuda") and r == 0:
+                torch.cuda.reset_peak_memory_stats()
+            _, s = _timed(lambda c=cache: model(token, cache=c), device)
+            if device.startswith("cuda") and r == 0:
+                peak[k] = torch.cuda.max_memory_allocated()
+            times[k].append(s)
+            cache.crop(-1)
+    return {k: (statistics.median(v), peak.get(k, 0)) for k, v in times.items()}
+
+
+@torch.no_grad()
+def measure(model, tok, args) -> list[dict]:
+    import kvsum
+    from kvsum.errors import KVSumError
+    from kvsum.eval.text import prose_ids
+    from kvsum.methods import make_method, prefill_needs
+
+    from .specs import parse_row
+
+    specs = [parse_row(s) for s in args.methods]
+    made = {s: (make_method(name, **knobs), (budgets or [0.25])[0]) for s, (name, knobs, budgets) in
+            zip(args.methods, specs)}
+    ids = prose_ids(tok, max(args.lengths)).to(args.device)
+    rows = []
+    for L in sorted(args.lengths):
+        caches, info = {}, {}
+        prefills = {}
+        for spec, (method, budget) in [("full", (make_method("full"), 1.0)), *made.items()]:
+            opts = tuple(sorted(prefill_needs([method]).items()))
+            if opts not in prefills:
+                prefills[opts] = _timed(lambda o=dict(opts), x=ids[:, :L]: kvsum.prefill(model, x, tokenizer=tok, **o),
+                                        args.device)
+            pre, t_pre = prefills[opts]
+            try:
+                cache, t_comp = _timed(lambda m=method, b=budget, p=pre: kvsum.compress_prefill(p, m, b), args.device)
+            except KVSumError as e:  # a budget this length cannot hold: said, and the others still run
+                print(f"{spec} at {L}: {e}", flush=True)
+                continue
+            caches[spec] = cache
+            info[spec] = dict(budget=budget, prefill_s=t_pre, compress_s=t_comp, kv_bytes=cache.nbytes(),
+                              full_kv_bytes=cache.reference_nbytes)
+        del prefills
+        timed = steps(model, caches, ids[:, :1], args.rounds, args.device)
+        full_step = timed["full"][0]
+        for spec, (s, peak) in timed.items():
+            i = info[spec]
+            rows.append(dict(length=L, method=spec.rpartition("@")[0] or spec, **i, step_ms=s * 1e3,
+                             over_full=s / full_step, kv_less=i["full_kv_bytes"] / max(1, i["kv_bytes"]),
+                             step_peak_mib=peak / 2 ** 20))
+            print(rows[-1], flush=True)
+        del caches
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["Median one-token decode step over each cache (round-robin, CUDA-synchronised) and over the full "
+           "cache's (SDPA); KV bytes held (cache.nbytes()) and the full cache's (16-bit) over them; CUDA memory "
+           "allocated at the step's peak (weights included); prefill and compression seconds.", "",
+           "| length | method | budget | step ms | x full | KV MiB | KV x less | step peak MiB | prefill s | "
+           "compress s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['length']} | `{r['method']}` | {r['budget']:g} | {r['step_ms']:.2f} | {r['over_full']:.2f} | "
+                   f"{r['kv_bytes'] / 2 ** 20:.1f} | {r['kv_less']:.2f} | {r['step_peak_mib']:.0f} | "
+                   f"{r['prefill_s']:.2f} | {r['compress_s']:.2f} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    why = refusal(args.device)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    import kvsum
+
+    from .common import write_page
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model, tok = kvsum.load_model(args.model, dtype=DTYPES[args.dtype])
+    model.to(args.device)
+    rows = measure(model, tok, args)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    write_page(rows, args, t0, "The GPU path: decode step, KV memory, prefill + compression", table(rows),
+               device=device, dtype=args.dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
