@@ -2,12 +2,11 @@
 
 The document is compressed before any question is seen (the query-agnostic setting a server meets): once
 into the full cache and once under the method. `generate()` grows the cache it is given, so every question
-is answered from a copy of the compressed cache (copy.deepcopy: the same answer as a fresh compression).
+is answered from a fork of the compressed cache (`cache.fork()`: the same answer as a fresh compression).
 """
 
 from __future__ import annotations
 
-import copy
 import random
 import re
 import time
@@ -84,7 +83,7 @@ def run_demo(model, tok, method: str | Spec | None = None, budget: float = 0.25,
             row = {"cue": cue, "expected": expected}
             for label in ("full", "compressed"):
                 bar.update(f"question {i + 1}/{len(cues)} from the {label} cache")
-                row[label], seconds = _answer(model, tok, copy.deepcopy(caches[label]), ctx, cue)
+                row[label], seconds = _answer(model, tok, caches[label].fork(), ctx, cue)
                 row[label + "_right"] = right(row[label], expected)
                 times[label] += seconds
                 bar.advance()

@@ -29,7 +29,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .errors import KVSumError
-from .shape import fingerprint
+from .shape import fingerprint as model_fingerprint
 from .spec import format_value
 
 FORMAT = 1  # the file layout this kvsum writes and reads
@@ -216,9 +216,12 @@ def _decode(graph: dict, tensors: dict[str, torch.Tensor], device: torch.device)
     return node(graph["root"])
 
 
-def from_bytes(data: bytes, model) -> object:
-    """A kvsum.Cache from the bytes of a .kvsum file, on `model`'s device, checked against `model`."""
-    meta = _metadata(data)
+def from_bytes(data: bytes, model=None, *, fingerprint: dict | None = None, device=None) -> object:
+    """A kvsum.Cache from the bytes of a .kvsum file, checked against `model` (its fingerprint, onto its device).
+
+    Without a model (a KV store's pages have none), give the `fingerprint` the bytes must carry and the `device`
+    to load onto (default cpu); with neither model nor fingerprint, only the format and checksum are checked."""
+    meta = _metadata(bytes(data))
     header = json.loads(meta["kvsum"])
     if header.get("format") != FORMAT:
         raise KVSumError(f"a kvsum cache file of format version {header.get('format')!r}; this kvsum "
@@ -229,11 +232,12 @@ def from_bytes(data: bytes, model) -> object:
         raise KVSumError(f"a truncated or corrupt kvsum cache file ({e})") from None
     if _digest(header, meta["graph"], tensors) != header.get("sha256"):
         raise KVSumError("the kvsum cache file was altered or corrupted: its checksum does not match its contents")
-    mine = fingerprint(model)
-    if mine != header.get("fingerprint"):
+    if model is not None:
+        fingerprint, device = model_fingerprint(model), next(model.parameters()).device
+    if fingerprint is not None and fingerprint != header.get("fingerprint"):
         raise KVSumError(f"this cache was saved for another model ({header.get('fingerprint')}); the model given "
-                         f"is {mine}")
-    device = next(model.parameters()).device
+                         f"is {fingerprint}")
+    device = torch.device(device if device is not None else "cpu")
     cache = _decode(json.loads(meta["graph"]), {k: t.to(device) for k, t in tensors.items()}, device)
     if type(cache).__name__ != "Cache" or type(cache).__module__ != "kvsum.cache":
         raise KVSumError(f"a kvsum cache file whose root is a {type(cache).__qualname__}, not a kvsum.Cache")

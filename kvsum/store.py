@@ -71,9 +71,11 @@ class Store:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
 
-    def get(self, key: str, model):
-        """The saved cache for `key` loaded onto `model`, or None if there is none (its use time is refreshed).
-        An entry that does not load (altered on disk, another model) raises KVSumError."""
+    def get(self, key: str, model=None, *, fingerprint: dict | None = None, device=None):
+        """The saved cache for `key` loaded onto `model` (or checked against `fingerprint` and loaded onto
+        `device`, for callers with no transformers model, such as a KV connector's pages), or None if there is
+        none. A hit refreshes the entry's use time. An entry that does not load (altered on disk, another
+        model's) raises KVSumError."""
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -81,7 +83,7 @@ class Store:
         except FileNotFoundError:  # never written, or removed by another process's eviction meanwhile
             return None
         self.hits += 1
-        return from_bytes(data, model)
+        return from_bytes(data, model, fingerprint=fingerprint, device=device)
 
     def put(self, key: str, cache) -> Path:
         """Save `cache` as `key` (atomically), then hold the directory to `max_bytes`."""

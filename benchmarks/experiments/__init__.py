@@ -8,14 +8,14 @@ and .md. `python -m benchmarks run NAME` reruns it there; `python -m benchmarks 
 
 from __future__ import annotations
 
-from . import evict, gpu, other, quant, summary
+from . import evict, gpu, other, quant, serving, summary
 from .base import RESULTS, Experiment, spec
 
 __all__ = ["EXPERIMENTS", "RESULTS", "Experiment", "spec"]
 
 
 def _collect() -> dict[str, Experiment]:
-    found = [e for mod in (quant, evict, summary, other, gpu) for e in mod.EXPERIMENTS]
+    found = [e for mod in (quant, evict, summary, other, serving, gpu) for e in mod.EXPERIMENTS]
     names = [e.name for e in found]
     dup = sorted({x for x in names if names.count(x) > 1})
     if dup:

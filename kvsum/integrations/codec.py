@@ -16,10 +16,7 @@ model's name as the engine knows it and the KV shape, and `decode` refuses bytes
 
 from __future__ import annotations
 
-import json
-
 import torch
-from safetensors.torch import load as st_load
 from torch import Tensor
 
 from .. import persist
@@ -138,22 +135,7 @@ def encode(cache) -> bytes:
 def decode(data: bytes, fingerprint: dict | None = None, device: str | torch.device = "cpu") -> Cache:
     """The kvsum.Cache of `encode`d bytes, after the checks `kvsum.load_cache` makes (format version, SHA-256,
     kvsum's own classes only), with the layout fingerprint in place of a model's. KVSumError on any mismatch."""
-    # kvsum.persist.from_bytes takes a model for its fingerprint and device; paged KV has neither, so the same
-    # steps are taken here with the layout fingerprint (see the module docstring).
-    meta = persist._metadata(bytes(data))
-    header = json.loads(meta["kvsum"])
-    if header.get("format") != persist.FORMAT:
-        raise KVSumError(f"kvsum bytes of format version {header.get('format')!r}; this kvsum reads {persist.FORMAT}")
-    if fingerprint is not None and header.get("fingerprint") != fingerprint:
-        raise KVSumError(f"these kvsum bytes were made for {header.get('fingerprint')}, not {fingerprint}")
-    try:
-        tensors = st_load(bytes(data))
-    except Exception as e:  # safetensors raises its own error types on truncated or malformed bytes
-        raise KVSumError(f"truncated or corrupt kvsum bytes ({e})") from None
-    if persist._digest(header, meta["graph"], tensors) != header.get("sha256"):
-        raise KVSumError("the kvsum bytes were altered or corrupted: their checksum does not match their contents")
-    device = torch.device(device)
-    cache = persist._decode(json.loads(meta["graph"]), {k: t.to(device) for k, t in tensors.items()}, device)
+    cache = persist.from_bytes(data, fingerprint=fingerprint, device=device)
     if not isinstance(cache, Cache):
         raise KVSumError(f"kvsum bytes whose root is a {type(cache).__qualname__}, not a kvsum.Cache")
     return cache

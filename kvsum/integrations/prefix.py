@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -131,13 +130,7 @@ class PrefixStore:
     def load(self, key: str, n_layers: int, kv_heads: int, head_dim: int) -> list[tuple[Tensor, Tensor]] | None:
         """The rebuilt per-layer keys and values (H, n, d) fp32 of entry `key`, None if it is gone (evicted
         meanwhile); KVSumError if it does not check (altered, another model's or shape's)."""
-        # kvsum.Store.get loads onto a transformers model (its fingerprint, its device); paged KV has neither, so
-        # the entry is read here and checked against the layout fingerprint (kvsum.integrations.codec.decode).
-        path = self.store.path(key)
-        try:
-            data = path.read_bytes()
-            os.utime(path)  # a hit refreshes the entry for the Store's least-recently-used order
-        except FileNotFoundError:
+        cache = self.store.get(key, fingerprint=self.fingerprint(n_layers, kv_heads, head_dim))
+        if cache is None:
             return None
-        cache = codec.decode(data, self.fingerprint(n_layers, kv_heads, head_dim))
         return codec.dense_kv(cache)
