@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .errors import KVSumError
+from .kernels import online
 
 _local = threading.local()
 
@@ -113,7 +114,9 @@ def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tens
     H = key.shape[1]
     G = Hq // H
     qg = query.float().reshape(1, H, G * q_len, d)
-    s_state = state.scores(qg, scaling)  # (1, H, G*q, N)
+    fused = getattr(state, "online", None)  # a state whose kernel joins the softmax in one pass (CUDA, kvsum.kernels)
+    parts = fused(qg, scaling) if fused is not None else None
+    s_state = state.scores(qg, scaling) if parts is None else None  # (1, H, G*q, N)
     s_tail = qg @ key.float().transpose(-1, -2) * scaling  # (1, H, G*q, t)
     if mask is None:
         if q_len > 1:  # transformers drops the mask only when a plain causal mask over the tail is meant
@@ -128,6 +131,10 @@ def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tens
         if m.dtype == torch.bool:
             m = torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
         s_tail = (s_tail.view(1, H, G, q_len, -1) + m.float()).view(1, H, G * q_len, -1)
+    if parts is not None:  # partial softmax results of the state's parts, joined with the tail's
+        v = value.float()[0]
+        out = online.output(online.combine([*parts, online.from_scores(s_tail[0], lambda w: w @ v)]))[None]
+        return out.view(1, H * G, q_len, d).transpose(1, 2).to(query.dtype)
     n = s_state.shape[-1]
     # nan_to_num: a row with nothing to attend (a padding query over an empty state) gives zeros, not NaN
     p = torch.softmax(torch.cat([s_state, s_tail], dim=-1), dim=-1).nan_to_num_(0.0)

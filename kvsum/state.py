@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import kernels
 from .errors import KVSumError
+from .kernels import online
 
 
 class LayerState(Protocol):
@@ -154,6 +155,18 @@ class ConcatState:
 
     def mix(self, p: Tensor) -> Tensor:
         return sum(part.mix(chunk) for part, chunk in zip(self.parts, p.split(self._sizes, dim=-1)))
+
+    def online(self, q: Tensor, scale: float) -> list | None:
+        """The parts as partial softmax results (kvsum/kernels/online.py) where some part has a fused kernel that
+        serves (TurboQuant's codes on CUDA), the others through their scores and mix; None where none has."""
+        got = [getattr(p, "online", lambda *a: None)(q, scale) for p in self.parts]
+        if all(g is None for g in got):
+            return None
+        out = []
+        for part, g in zip(self.parts, got):
+            out += g if g is not None else [online.from_scores(part.scores(q, scale)[0],
+                                                               lambda w, part=part: part.mix(w[None])[0])]
+        return out
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)

@@ -2,18 +2,20 @@
 
 On a CUDA tensor PyTorch has no operation that reads 3-bit codes, so its path expands every code to a float32
 level in global memory at each decoding step. These kernels decode the codes in registers instead:
-`codes.py` scores queries against TurboQuant's and KIVI's packed codes and mixes values from them, `ragged.py`
+`codes.py` (TurboQuant) and `kivi.py` score queries against packed codes and mix values from them, `ragged.py`
 scores and mixes ragged per-head entries with additive biases (summary and eviction states) in one launch per
 layer. They are the GPU counterpart of the CPU kernel (kvsum/methods/quant/native.py, which dispatches to them)
-and serve the same calls with the same numbers (up to float summation order); the softmax that joins a state
-with the full-precision tail stays in kvsum/attention.py.
+and serve the same calls with the same numbers (up to float summation order); kvsum/attention.py joins their
+scores with the full-precision tail in one softmax. `flash.py` goes further for TurboQuant's codes at a decoding
+step: scores, online softmax and value mix in one pass, no logit written to memory; `online.py` joins its partial
+result with the exact sinks, windows and the tail (TurboQuantState.online, ConcatState.online).
 
 They serve CUDA tensors where triton is installed (`pip install 'kvsum[gpu]'`); `KVSUM_NATIVE=0` turns them off,
 as it does the CPU kernel. `forced()` routes CPU tensors through them too: only meaningful under Triton's
 interpreter (TRITON_INTERPRET=1 set before the kernel modules are imported), which is how they are tested
 without a GPU. This module does not import triton; the kernel modules do, when first used. The kernels use
-triton.language's builtins only (tl.full, not tl.zeros, itself a jit function of triton's standard library), so
-they also run interpreted where triton was imported before TRITON_INTERPRET was set.
+triton.language's builtins only (tl.full, not tl.zeros, itself a jit function of triton's standard library; see
+flash.py for reductions), so they also run interpreted where triton was imported before TRITON_INTERPRET was set.
 """
 
 from __future__ import annotations

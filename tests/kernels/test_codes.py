@@ -55,7 +55,7 @@ def test_codes_are_read_packed(kernel, device, monkeypatch):
 @pytest.mark.parametrize("d", [64, 256])
 def test_joint_attention_with_a_tail_matches(kernel, reference, device, dtype, tol, d):
     """A decoding step over the codes and a full-precision tail, in the model's dtype (Hq = 3 query heads per KV
-    head), end to end through kvsum's attention function."""
+    head), end to end through kvsum's attention function (a bare coded state: the fused kernel, flash.py)."""
     H, T, t = 2, 60, 5
     state = _state(H, T, d, 3.5, device, center=True)
     q = torch.randn(1, 3 * H, 1, d, device=device).to(dtype)

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from ... import kernels
 from ...state import tensor_bytes
 from .codes import Coded
 from .packing import Packed
@@ -165,6 +166,21 @@ class TurboQuantState:
         if self.k_mean is not None:
             s += q @ self.k_mean.float().transpose(1, 2) * scale
         return s
+
+    def online(self, q: Tensor, scale: float, skip: Tensor | None = None) -> list | None:
+        """On CUDA, a decoding step's attention over the codes in one fused pass (kvsum/kernels/flash.py): the
+        partial (max, sum, values) that joint attention joins with the exact parts and the tail, no logit written
+        to memory; `skip`: flat indices h * T + t of tokens left out (held exactly elsewhere). None where that
+        kernel does not serve (then `scores` and `mix` do)."""
+        if not (self.serves_runs(q.shape[2]) and kernels.serves(self.v_norm)):
+            return None
+        from ...kernels import flash
+
+        add = None if self.k_mean is None else (q[0] @ self.k_mean.float().transpose(1, 2))[..., 0] * scale
+        skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
+        m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
+                                    self.k_norm, self.v_norm, scale, add, skip)
+        return [(m, total, self.R.undo(acc))]
 
     def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:
         """Weights p (1, H, M, longest run) over each head's run -> (1, H, M, d), as `run_scores` reads them."""

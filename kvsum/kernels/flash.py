@@ -1,0 +1,140 @@
+"""A fused decoding-attention kernel over TurboQuant's packed codes: scores, online softmax and value mix in one
+pass over the codes (flash-decoding), never writing a score or a probability to global memory.
+
+Each program takes one KV head and one chunk of its tokens, decodes key codes into logits for the head's M query
+rows (as codes.py's score kernel does), keeps a running maximum and sum of exponentials, and mixes the decoded
+value codes with the running weights; it writes its partial (max, sum, weighted values in the rotated basis, one
+block per value part). online.py's `combine` joins the chunks, and joint attention joins the result with the
+exact entries and the full-precision tail in the same softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import chunk, kernel_input, levels_on, next_pow2
+from .codes import BM, BT, _dot_part, _levels
+
+NEG = -1.0e30  # the running maximum before any token: finite, so an all-masked chunk gives weight 0, not NaN
+# tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
+# imported before TRITON_INTERPRET was set; tl.reduce with their combine functions is what they compile to (and
+# the interpreter computes those with numpy)
+_MAX, _SUM = tl.standard._elementwise_max, tl.standard._sum_combine
+
+
+@triton.jit
+def _mix_part(acc, w, data, lv, hc, tok, tm, H_codes, C: tl.constexpr, BITS: tl.constexpr, BCP: tl.constexpr):
+    """acc (BM, BCP) += w (BM, BT) . levels of the C value channels of tokens `tok`, head hc."""
+    j = tl.arange(0, BCP)
+    f = (tok[:, None].to(tl.int64) * H_codes + hc) * C + j[None, :]
+    x = _levels(data, f, lv, BITS, tm[:, None] & (j < C)[None, :])
+    return acc + tl.dot(w, x, input_precision="ieee")
+
+
+@triton.jit
+def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, vd_a, vl_a, vd_b, vl_b, k_norm,
+                  v_norm, add, skip, scale, T, M, CHUNK, CK_A: tl.constexpr, KB_A: tl.constexpr, CK_B: tl.constexpr,
+                  KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr, CV_B: tl.constexpr, VB_B: tl.constexpr,
+                  HAS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                  BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
+    """Head h = program_id(0), tokens of chunk s = program_id(1): logits scale * k_norm * <q, key levels>
+    (+ add[h, m]; -inf where skip[h, t]), running max / sum / weighted value levels per query row."""
+    h, s = tl.program_id(0), tl.program_id(1)
+    H = tl.num_programs(0)
+    m = tl.arange(0, BM)
+    mm = m < M
+    run_max = tl.full((BM,), NEG, tl.float32)
+    run_sum = tl.full((BM,), 0.0, tl.float32)
+    va = tl.full((BM, BCV_A), 0.0, tl.float32)
+    vb = tl.full((BM, BCV_B), 0.0, tl.float32)
+    if HAS_ADD:
+        shift = tl.load(add + h * M + m, mask=mm, other=0.0)
+    t0 = s * CHUNK
+    for tt in range(t0, t0 + CHUNK, BT):
+        tok = tt + tl.arange(0, BT)
+        tm = tok < T
+        logit = tl.full((BT, BM), 0.0, tl.float32)
+        logit = _dot_part(logit, q_a, kd_a, kl_a, h, h, tok, tm, M, H, CK_A, KB_A, BT, BM, BC)
+        if CK_B > 0:
+            logit = _dot_part(logit, q_b, kd_b, kl_b, h, h, tok, tm, M, H, CK_B, KB_B, BT, BM, BC)
+        kn = tl.load(k_norm + h * T + tok, mask=tm, other=0.0).to(tl.float32)
+        sc = tl.trans(logit * scale * kn[:, None])  # (BM, BT)
+        if HAS_ADD:
+            sc += shift[:, None]
+        keep = tm
+        if HAS_SKIP:
+            keep = keep & (tl.load(skip + h * T + tok, mask=tm, other=1) == 0)
+        sc = tl.where(keep[None, :], sc, float("-inf"))
+        new_max = tl.maximum(run_max, tl.reduce(sc, 1, _MAX))
+        alpha = tl.exp(run_max - new_max)
+        p = tl.exp(sc - new_max[:, None])
+        run_sum = run_sum * alpha + tl.reduce(p, 1, _SUM)
+        run_max = new_max
+        vn = tl.load(v_norm + h * T + tok, mask=tm, other=0.0).to(tl.float32)
+        w = p * vn[None, :]
+        va = _mix_part(va * alpha[:, None], w, vd_a, vl_a, h, tok, tm, H, CV_A, VB_A, BCV_A)
+        if CV_B > 0:
+            vb = _mix_part(vb * alpha[:, None], w, vd_b, vl_b, h, tok, tm, H, CV_B, VB_B, BCV_B)
+    row = (s * H + h) * M + m
+    tl.store(m_out + row, run_max, mask=mm)
+    tl.store(l_out + row, run_sum, mask=mm)
+    ja = tl.arange(0, BCV_A)
+    tl.store(acc_a + row[:, None] * CV_A + ja[None, :], va, mask=mm[:, None] & (ja < CV_A)[None, :])
+    if CV_B > 0:
+        jb = tl.arange(0, BCV_B)
+        tl.store(acc_b + row[:, None] * CV_B + jb[None, :], vb, mask=mm[:, None] & (jb < CV_B)[None, :])
+
+
+def _side(parts: list, q: Tensor | None) -> list:
+    """Kernel arguments for up to two channel parts: (queries, data, levels) for keys, (data, levels) for values;
+    a missing second part repeats the first (its channel count is then 0)."""
+    args = []
+    for codes, ix, levels in (parts + parts[:1])[:2]:
+        if q is not None:
+            args.append(q if ix is None else q.gather(2, ix.long()[:, None, :].expand(*q.shape[:2], -1)).contiguous())
+        args += [codes.data, levels_on(levels, codes.data.device)]
+    return args
+
+
+def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor, scale: float,
+          add: Tensor | None = None, skip: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention of rotated queries qr (H, M, d) over T coded tokens (parts as native.py takes them, at most two a
+    side), logits scale * k_norm[h, t] * <qr, key> + add[h, m], none where skip[h, t] (uint8) is set. Returns the
+    partial (max (H, M), sum of exponentials (H, M), weighted rotated values (H, M, d)), chunks joined."""
+    from .online import combine
+
+    H, M, d = qr.shape
+    T = kparts[0][0].shape[0]
+    qr = qr.float().contiguous()
+    ck = [p[0].shape[2] for p in kparts] + [0]
+    cv = [p[0].shape[2] for p in vparts] + [0]
+    kb = [p[0].bits for p in kparts] + [kparts[0][0].bits]
+    vb = [p[0].bits for p in vparts] + [vparts[0][0].bits]
+    per = chunk(T, H, BT)
+    S = max(1, triton.cdiv(T, per))
+    m_out, l_out = qr.new_empty(S, H, M), qr.new_empty(S, H, M)
+    acc = [qr.new_empty(S, H, M, c) for c in cv[:2] if c] or [qr.new_empty(0)]
+    acc.append(acc[0] if len(acc) == 1 else acc[1])
+    k_norm, v_norm = kernel_input(k_norm), kernel_input(v_norm)
+    add = add.float().contiguous() if add is not None else None
+    _flash_kernel[(H, S)](
+        m_out, l_out, acc[0], acc[1], *_side(kparts, qr), *_side(vparts, None), k_norm, v_norm,
+        add if add is not None else k_norm, skip if skip is not None else k_norm, float(scale), T, M, per,
+        CK_A=ck[0], KB_A=kb[0], CK_B=ck[1], KB_B=kb[1], CV_A=cv[0], VB_A=vb[0], CV_B=cv[1], VB_B=vb[1],
+        HAS_ADD=add is not None, HAS_SKIP=skip is not None, BT=BT, BM=BM, BC=min(64, next_pow2(max(ck))),
+        BCV_A=next_pow2(cv[0]), BCV_B=next_pow2(max(cv[1], 1)))
+    out = qr.new_zeros(S, H, M, d)
+    for (_, ix, _), a in zip(vparts, acc):
+        if ix is None:
+            out = a
+        else:
+            out.scatter_(3, ix.long()[None, :, None, :].expand(S, H, M, -1), a)
+    return combine([(m_out[i], l_out[i], out[i]) for i in range(S)])
+
+
+def skip_mask(flat: Tensor, H: int, T: int) -> Tensor:
+    """(H, T) uint8 with 1 at flat indices h * T + t (tokens another state holds exactly, e.g. summary's anchors)."""
+    return torch.zeros(H * T, dtype=torch.uint8, device=flat.device).index_fill_(0, flat, 1).view(H, T)
