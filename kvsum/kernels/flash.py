@@ -18,7 +18,7 @@ from torch import Tensor
 from . import chunk, kernel_input, levels_on, next_pow2
 from .codes import BM, BT, _dot_part, _levels
 
-NEG = -1.0e30  # the running maximum before any token: finite, so an all-masked chunk gives weight 0, not NaN
+NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
 # imported before TRITON_INTERPRET was set; tl.reduce with their combine functions is what they compile to (and
 # the interpreter computes those with numpy)
