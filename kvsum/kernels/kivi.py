@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import chunk, levels_on, next_pow2
 from .codes import BM, BT, _levels
+from .flash import _MAX, _SUM, NEG
 
 
 @triton.jit
@@ -103,3 +104,74 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
                              *mins.stride(), T, H, M, ch, per,
                              D=d, BITS=codes.bits, BT=BT, BM=BM, BC=bc)
     return part.sum(0)
+
+
+@triton.jit
+def _flash_kernel(m_out, l_out, acc_out, q, kdata, vdata, lv, k_scale, k_min, v_scale, v_min, scale, G, H, g, M, R,
+                  ch, CHUNK, D: tl.constexpr, BITS: tl.constexpr, BG: tl.constexpr, BM: tl.constexpr,
+                  BC: tl.constexpr, BD: tl.constexpr):
+    """A decoding step over KIVI's codes in one pass, head h = program_id(0), groups of chunk program_id(1): keys
+    level * k_scale + k_min per (group, head, channel), values level * v_scale + v_min per (token, head, run of ch
+    channels); running max, sum and weighted values per query row, as flash.py's kernel keeps them."""
+    h, s = tl.program_id(0), tl.program_id(1)
+    m = tl.arange(0, BM)
+    mm = m < M
+    u = tl.arange(0, BG)
+    um = u < g
+    jd = tl.arange(0, BD)
+    jdm = jd < D
+    run_max = tl.full((BM,), NEG, tl.float32)
+    run_sum = tl.full((BM,), 0.0, tl.float32)
+    acc = tl.full((BM, BD), 0.0, tl.float32)
+    g0 = s * CHUNK
+    for gi in range(g0, tl.minimum(g0 + CHUNK, G)):
+        row = ((gi * H + h) * g + u).to(tl.int64)
+        logit = tl.full((BG, BM), 0.0, tl.float32)
+        for c0 in tl.static_range(0, D, BC):
+            j = c0 + tl.arange(0, BC)
+            jm = j < D
+            both = um[:, None] & jm[None, :]
+            x = _levels(kdata, row[:, None] * D + j[None, :], lv, BITS, both)
+            sc = tl.load(k_scale + (gi * H + h) * D + j, mask=jm, other=0.0).to(tl.float32)
+            mn = tl.load(k_min + (gi * H + h) * D + j, mask=jm, other=0.0).to(tl.float32)
+            k = tl.where(both, x * sc[None, :] + mn[None, :], 0.0)
+            qv = tl.load(q + (h * M + m[:, None]) * D + j[None, :], mask=mm[:, None] & jm[None, :], other=0.0)
+            logit += tl.dot(k, tl.trans(qv), input_precision="ieee")
+        p_s = tl.where(um[None, :], tl.trans(logit) * scale, float("-inf"))  # (BM, BG)
+        new_max = tl.maximum(run_max, tl.reduce(p_s, 1, _MAX))
+        alpha = tl.exp(run_max - new_max)
+        p = tl.exp(p_s - new_max[:, None])
+        run_sum = run_sum * alpha + tl.reduce(p, 1, _SUM)
+        run_max = new_max
+        t = (gi * g + u).to(tl.int64)
+        both = um[:, None] & jdm[None, :]
+        x = _levels(vdata, (t[:, None] * H + h) * D + jd[None, :], lv, BITS, both)
+        at = (t[:, None] * H + h) * R + jd[None, :] // ch
+        sc = tl.load(v_scale + at, mask=both, other=0.0).to(tl.float32)
+        mn = tl.load(v_min + at, mask=both, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, x * sc + mn, input_precision="ieee")
+    r = (s * tl.num_programs(0) + h) * M + m
+    tl.store(m_out + r, run_max, mask=mm)
+    tl.store(l_out + r, run_sum, mask=mm)
+    tl.store(acc_out + r[:, None] * D + jd[None, :], acc, mask=mm[:, None] & jdm[None, :])
+
+
+def attend(k_codes, v_codes, levels: Tensor, q: Tensor, k_scale: Tensor, k_min: Tensor, v_scale: Tensor,
+           v_min: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries q (H, M, d) over KIVI's coded tokens in one pass: keys (G, H, g, d) with k_scale / k_min (G, H, 1, d),
+    values (n_q, H, d / ch, ch) with v_scale / v_min (n_q, H, d / ch, 1). Returns the partial (max, sum, values)
+    of kvsum/kernels/online.py, chunks of groups joined."""
+    from .online import combine
+
+    G, H, g, d = k_codes.shape
+    R, ch = v_codes.shape[2], v_codes.shape[3]
+    M = q.shape[1]
+    q = q.float().contiguous()
+    per = max(1, -(-G // max(1, 256 // H)))  # groups per program: about 256 programs in all
+    S = triton.cdiv(G, per)
+    m_out, l_out, acc = q.new_empty(S, H, M), q.new_empty(S, H, M), q.new_empty(S, H, M, d)
+    k_scale, k_min, v_scale, v_min = (t.contiguous() for t in (k_scale, k_min, v_scale, v_min))
+    _flash_kernel[(H, S)](m_out, l_out, acc, q, k_codes.data, v_codes.data, levels_on(levels, q.device), k_scale,
+                          k_min, v_scale, v_min, float(scale), G, H, g, M, R, ch, per, D=d, BITS=k_codes.bits,
+                          BG=next_pow2(g), BM=BM, BC=_block(d), BD=next_pow2(d))
+    return combine([(m_out[i], l_out[i], acc[i]) for i in range(S)])

@@ -17,7 +17,7 @@ import torch
 import kvsum.kernels
 
 ON_CUDA = os.environ.get("KVSUM_KERNEL_TESTS") == "cuda" and torch.cuda.is_available()
-MODULES = ("kvsum.kernels.codes", "kvsum.kernels.kivi", "kvsum.kernels.ragged", "kvsum.kernels.flash")  # codes first
+MODULES = ("kvsum.kernels.codes", "kvsum.kernels.flash", "kvsum.kernels.kivi", "kvsum.kernels.ragged")  # imports first
 
 
 def _import_interpreted() -> None:

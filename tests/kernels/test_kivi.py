@@ -37,13 +37,24 @@ def test_scores_and_mix_match_the_pytorch_path(kernel, reference, device, bits, 
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-3)])
-def test_joint_attention_with_a_tail_matches(kernel, reference, device, dtype, tol):
-    H, d, t = 2, 64, 4
-    state = _state(4, H, 100, d, 64, 4, device)
+@pytest.mark.parametrize("bits,T,d,n_q,sinks", [(4, 100, 64, 64, 4), (2, 300, 256, 256, 0), (4, 70, 64, 64, 6)])
+def test_fused_step_matches_the_pytorch_path(kernel, reference, device, monkeypatch, dtype, tol, bits, T, d, n_q,
+                                             sinks):
+    """A decoding step over the codes in one fused pass (keys' and values' scales and minima applied while decoding),
+    joined with the exact sinks, the full-precision window and the tail in one softmax."""
+    from kvsum.methods.quant import native
+
+    H, t = 2, 4
+    state = _state(bits, H, T, d, n_q, sinks, device)
     q = torch.randn(1, 3 * H, 1, d, device=device).to(dtype)
     key, value = (torch.randn(1, H, t, d, device=device).to(dtype) for _ in range(2))
-    with kernel():
-        out = joint_attention(state, q, key, value, None, d ** -0.5)
     with reference():
         ref = joint_attention(state, q, key, value, None, d ** -0.5)
+
+    def unfused(*a, **k):
+        raise AssertionError("scores and mix ran instead of the fused kernel")
+    monkeypatch.setattr(native, "score_groups", unfused)
+    monkeypatch.setattr(native, "mix_runs", unfused)
+    with kernel():
+        out = joint_attention(state, q, key, value, None, d ** -0.5)
     assert out.dtype == dtype and rel(out, ref) <= tol

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ... import kernels
 from ...errors import KVSumError
+from ...kernels import online
 from ...state import tensor_bytes
 from ..base import LayerInput, Plan
 from ..quantizer import Quantizer
@@ -139,6 +141,21 @@ class KIVIState:
         if self.pending():
             parts.append(qh @ self.k_res.float().transpose(-1, -2))
         return (torch.cat(parts, -1) if len(parts) > 1 else s).mul_(scale)[None]
+
+    def online(self, q: Tensor, scale: float) -> list | None:
+        """On CUDA, a decoding step over the codes in one fused pass (kvsum/kernels/kivi.py's `attend`), beside the
+        exact sinks' and window's partials (kvsum/kernels/online.py); None where that kernel does not serve."""
+        if not (self._native(q.shape[2]) and kernels.serves(self.k_scale)):
+            return None
+        from ...kernels import kivi as gpu
+
+        qh = q[0]
+        parts = [gpu.attend(self.k_codes, self.v_codes, _int_levels(self.bits), qh, self.k_scale, self.k_min,
+                            self.v_scale, self.v_min, scale)]
+        for k, v in ((self.k_sink, self.v_sink), (self.k_res, self.v_res)):
+            if k.shape[1]:
+                parts.append(online.from_scores(qh @ k.float().transpose(-1, -2) * scale, lambda w, v=v: w @ v.float()))
+        return parts
 
     def mix(self, p: Tensor) -> Tensor:
         if not self._native(p.shape[2]):
