@@ -1,9 +1,10 @@
 """The kernel tests run the Triton kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), tiny
 shapes, no GPU; with KVSUM_KERNEL_TESTS=cuda on a CUDA machine, the same tests run the compiled kernels on the GPU.
 
-triton decides at decoration time whether a kernel is interpreted, so the kernel modules are (re)imported here
-with TRITON_INTERPRET=1; the variable is then restored, and set again only around each test of this folder (the
-interpreter reads it while launching too), so no other test module sees it. Skipped where triton is absent.
+triton decides when a kernel is defined whether it is interpreted, so the kernel modules are reloaded with
+TRITON_INTERPRET=1 before the first test of this folder and reloaded as compiled kernels after its last one; the
+variable itself is set only around each test here (the interpreter reads it while launching too). No other test
+module sees either. Skipped where triton is absent.
 """
 
 import contextlib
@@ -20,22 +21,28 @@ ON_CUDA = os.environ.get("KVSUM_KERNEL_TESTS") == "cuda" and torch.cuda.is_avail
 MODULES = ("kvsum.kernels.codes", "kvsum.kernels.flash", "kvsum.kernels.kivi", "kvsum.kernels.ragged")  # imports first
 
 
-def _import_interpreted() -> None:
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+def _reload(interpret: bool) -> None:
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         for name in MODULES:
             mod = sys.modules.get(name)
             importlib.reload(mod) if mod is not None else importlib.import_module(name)
     finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if before is not None:
             os.environ["TRITON_INTERPRET"] = before
 
 
-if kvsum.kernels.installed() and not ON_CUDA:
-    _import_interpreted()
+@pytest.fixture(scope="package", autouse=True)
+def _interpreted_kernels():
+    if ON_CUDA or not kvsum.kernels.installed():
+        yield
+        return
+    _reload(interpret=True)
+    yield
+    _reload(interpret=False)
 
 
 @pytest.fixture(autouse=True)
