@@ -4,7 +4,7 @@ pass over the codes (flash-decoding), never writing a score or a probability to 
 Each program takes one KV head and one chunk of its tokens, decodes key codes into logits for the head's M query
 rows (as codes.py's score kernel does), keeps a running maximum and sum of exponentials, and mixes the decoded
 value codes with the running weights; it writes its partial (max, sum, weighted values in the rotated basis, one
-block per value part). online.py's `combine` joins the chunks, and joint attention joins the result with the
+block per value part). online.py's `combine_stacked` joins the chunks, and joint attention joins the result with the
 exact entries and the full-precision tail in the same softmax.
 """
 
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import chunk, kernel_input, levels_on, next_pow2
 from .codes import BM, BT, _dot_part, _levels
+from .online import combine_stacked
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
@@ -104,8 +105,6 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     """Attention of rotated queries qr (H, M, d) over T coded tokens (parts as native.py takes them, at most two a
     side), logits scale * k_norm[h, t] * <qr, key> + add[h, m], none where skip[h, t] (uint8) is set. Returns the
     partial (max (H, M), sum of exponentials (H, M), weighted rotated values (H, M, d)), chunks joined."""
-    from .online import combine
-
     H, M, d = qr.shape
     T = kparts[0][0].shape[0]
     qr = qr.float().contiguous()
@@ -132,7 +131,7 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
             out = a
         else:
             out.scatter_(3, ix.long()[None, :, None, :].expand(S, H, M, -1), a)
-    return combine([(m_out[i], l_out[i], out[i]) for i in range(S)])
+    return combine_stacked(m_out, l_out, out)
 
 
 def skip_mask(flat: Tensor, H: int, T: int) -> Tensor:

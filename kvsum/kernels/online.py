@@ -33,6 +33,14 @@ def combine(parts: list) -> tuple[Tensor, Tensor, Tensor]:
     return top, total, sum(wi[..., None] * a for wi, (_, _, a) in zip(w, parts))
 
 
+def combine_stacked(m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Partials stacked on a first dim (S, H, M) / (S, H, M, d) (a kernel's chunks) -> one partial, in a few
+    tensor operations whatever S."""
+    top = m.amax(0)
+    w = torch.exp(m - top)
+    return top, (w * total).sum(0), (w[..., None] * acc).sum(0)
+
+
 def output(part: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     """The attention output (H, M, d) of a partial over every token; zeros for a row with nothing to attend."""
     _, total, acc = part
