@@ -14,12 +14,11 @@ sums, added afterwards in PyTorch (deterministic, no atomics).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, next_pow2
+from . import chunk, kernel_input, levels_on, next_pow2, offsets
 
 BT = 32  # tokens per block
 BM = 16  # query rows per block: a decoding step's rows per KV head (at most native.MAX_ROWS = 16)
@@ -122,6 +121,11 @@ def _block(c: int) -> int:
     return min(64, next_pow2(c))
 
 
+def _on(runs: Tensor, device) -> Tensor:
+    """Run offsets (a CPU tensor, a composed state's metadata) on the kernel's device, copied once per layout."""
+    return runs if runs.device == device else offsets((runs[1:] - runs[:-1]).tolist(), device)
+
+
 def _part_queries(q: Tensor, ix: Tensor | None) -> Tensor:
     """A part's channels of the queries q (H, M, d): (H, M, c) fp32 contiguous."""
     if ix is None:
@@ -138,7 +142,7 @@ def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None
     T, H_codes = parts[0][0].shape[0], parts[0][0].shape[1]
     if runs is not None:
         T_out = int((runs[1:] - runs[:-1]).max()) if H else 0
-        runs = runs.to(device=q.device, dtype=torch.int64).contiguous()
+        runs = _on(runs, q.device)
     else:
         T_out = T
     norm = kernel_input(norm)
@@ -168,7 +172,7 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None
     p = p.float().contiguous()
     T, H_codes = parts[0][0].shape[0], parts[0][0].shape[1]
     if runs is not None:
-        runs = runs.to(device=p.device, dtype=torch.int64).contiguous()
+        runs = _on(runs, p.device)
     norm = kernel_input(norm)
     out = p.new_zeros(H, M, d)
     longest = T_p if runs is not None else T
