@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 P32, P16, PBF, U8, I64 = "*fp32", "*fp16", "*bf16", "*u8", "*i64"
-# kernel: (argument types, constexprs), a variant that takes every optional branch
+# kernel: (argument types, constexprs), a variant that takes every optional branch; VARIANTS: the plain ones too
 KERNELS = {
     "codes._score_kernel": (dict(out=P32, q_a=P32, data_a=U8, lv_a=P32, q_b=P32, data_b=U8, lv_b=P32, norm=P16,
                                  add=P16, runs=I64, scale="fp32", T="i32", H_codes="i32", M="i32", T_out="i32"),
@@ -36,6 +36,12 @@ KERNELS = {
                                  HAS_SKIP=True, BT=32, BM=16, BC=32, BCV_A=32, BCV_B=32)),
 }
 
+VARIANTS = [(name, dict(KERNELS[name][1], **change)) for name, change in [
+    ("codes._score_kernel", dict(C_A=64, BITS_A=3, C_B=0, HAS_ADD=False, RUNS=False, BC=64)),  # integer bits, d 64
+    ("flash._flash_kernel", dict(CK_A=256, KB_A=8, CK_B=0, CV_A=256, VB_A=1, CV_B=0, HAS_ADD=False, HAS_SKIP=False,
+                                 BC=64, BCV_A=256, BCV_B=16)),  # one part a side, d 256, widest and narrowest codes
+]]
+
 
 def compile_all() -> None:
     import importlib
@@ -44,7 +50,8 @@ def compile_all() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for name, (types, consts) in KERNELS.items():
+    for name, consts in [(n, c) for n, (_, c) in KERNELS.items()] + VARIANTS:
+        types = KERNELS[name][0]
         module, _, kernel = name.partition(".")
         fn = getattr(importlib.import_module(f"kvsum.kernels.{module}"), kernel)
         sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
@@ -62,7 +69,7 @@ def test_every_kernel_compiles_for_sm90():
     run = subprocess.run([sys.executable, "-m", "tests.kernels.test_compile"], cwd=root, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled ") == len(KERNELS)
+    assert run.stdout.count("compiled ") == len(KERNELS) + len(VARIANTS)
 
 
 if __name__ == "__main__":
