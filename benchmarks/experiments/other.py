@@ -59,6 +59,10 @@ EXPERIMENTS = [
     Experiment("cost_sentence", "perf", "cost", "the same at 0.125 for summary+turboquant by sentence",
                methods=(spec("summary+turboquant", score="sentence"), "summary", "streaming_llm", "snapkv"),
                threads=2, args=("--length", "4096", "--budget", "0.125")),
+    Experiment("cost_user", "perf", "cost", "what a user pays at 4k: kvsum.compress over a plain model(ids), alternated, "
+               "beside the breakdown; one thread (robust on a shared machine)",
+               methods=("summary", spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)), "snapkv",
+                        "turboquant"), threads=1, args=("--length", "4096", "--budget", "0.25")),
     Experiment("breakeven", "perf", "kvsum", "the policy's break-even table (kvsum bench breakeven)",
                part="bench breakeven", threads=2),
     Experiment("reconstruct", "reconstruct", "reconstruct", "calibration cost and per-layer reconstruction error",
@@ -82,6 +86,7 @@ EXPERIMENTS = [
     Experiment("long_suite", "long", "long_suite", "Qwen at 4k-32k: each family's best at 0.25 / 0.10 beside the "
                "full cache on NIAH single (prose, code): score, compress / prefill, decode / full, bytes, peak memory",
                threads=1, runs=(("--lengths", "32768", "--n", "2", "--methods", *LONG),
+                                ("--lengths", "32768", "--tasks", "niah_single_code", "--n", "1", "--methods", *LONG),
                                 ("--lengths", "4096", "--n", "1", "--methods", *LONG),
                                 ("--lengths", "16384", "8192", "--n", "1", "--methods", *LONG),
                                 ("--lengths", "16384", "--n", "2", "--methods", *LONG))),
