@@ -59,8 +59,8 @@ EXPERIMENTS = [
     Experiment("cost_sentence", "perf", "cost", "the same at 0.125 for summary+turboquant by sentence",
                methods=(spec("summary+turboquant", score="sentence"), "summary", "streaming_llm", "snapkv"),
                threads=2, args=("--length", "4096", "--budget", "0.125")),
-    Experiment("cost_user", "perf", "cost", "what a user pays at 4k: kvsum.compress over a plain model(ids), alternated, "
-               "beside the breakdown; one thread (robust on a shared machine)",
+    Experiment("cost_user", "perf", "cost", "what a user pays at 4k: kvsum.compress over a plain model(ids), "
+               "alternated, beside the breakdown; one thread (robust on a shared machine)",
                methods=("summary", spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)), "snapkv",
                         "turboquant"), threads=1, args=("--length", "4096", "--budget", "0.25")),
     Experiment("breakeven", "perf", "kvsum", "the policy's break-even table (kvsum bench breakeven)",

@@ -16,7 +16,7 @@ METHODS = [
     ("turboquant", dict(bits=3.5, center=True), 0.3, ["flash.coded"]),  # codes + exact sinks: fused
     ("kivi", dict(bits=4, residual=32), 0.5, ["kivi.attend"]),  # fused, sinks and window beside
     ("summary", dict(cover="turboquant(bits=3.5,center=True)", score="surprisal"), 0.3,
-     ["codes.score", "codes.mix"]),  # the flagship: anchors (equal per head here: a matmul) + the code cover
+     ["flash.coded"]),  # the flagship: anchors (equal per head here: a matmul) + the code cover, fused
     ("snapkv", dict(allocation="adaptive"), 0.3, ["ragged.scores", "ragged.mix"]),  # ragged heads, one launch
     ("snapkv+turboquant", dict(bits=3, allocation="adaptive"), 0.3, ["codes.score", "codes.mix"]),  # runs
 ]

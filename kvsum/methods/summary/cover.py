@@ -16,6 +16,9 @@ projected once and the keys are never rebuilt. Values are mixed in coefficient s
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -105,6 +108,13 @@ class CoverState:
         return out[None]
 
 
+@functools.cache
+def _skips(cls) -> bool:
+    """Whether a state class has a fused pass that can leave tokens out (`online(q, scale, skip=...)`)."""
+    fused = getattr(cls, "online", None)
+    return fused is not None and "skip" in inspect.signature(fused).parameters
+
+
 class MaskedState:
     """A quantizer's state over n tokens of a layer (summary's code cover: all but the sinks), with `exclude`
     (H, n) bool masked out of its scores."""
@@ -123,3 +133,10 @@ class MaskedState:
 
     def mix(self, p: Tensor) -> Tensor:
         return self.inner.mix(p)
+
+    def online(self, q: Tensor, scale: float) -> list | None:
+        """The inner codes' fused pass (CUDA: TurboQuantState.online) with the excluded tokens skipped; None
+        where the inner state has none that skips (then `scores` and `mix` do)."""
+        if not _skips(type(self.inner)):
+            return None
+        return self.inner.online(q, scale, skip=self.exclude.flat)
