@@ -17,6 +17,7 @@ bytes; None: memory does not bind):
      from it the middle method below `long_from` and the long method from it, at the table's budget;
   2. memory binds: compress to it; the middle method below `long_from` unless the budget is under what
      low-bit codes reach (`mid_min_budget`), the long method otherwise.
+The long method `summary` (the default, with no knobs of the user's) is configured by budget (`flagship`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,26 @@ from transformers import DynamicCache
 from .breakeven import crossing, load
 from .compress import compress
 from .errors import KVSumError
+from .methods.quant.turboquant import TurboQuant
 from .prefill import check_ids
 from .shape import ModelShape
+
+# summary's configuration by budget, from the measurements on the bundled model (benchmarks/results/headline.md):
+# where its 3.5-bit centered TurboQuant cover fits, exact anchors by token surprisal and every other token as codes
+# (retrieval at the full cache's level, KL 0.007 at 0.25); below, summary's selection stored as TurboQuant codes,
+# anchors as whole sentences, key bits shifted to the sharpest layers (passkey 100 / multikey 40, KL 0.058 at
+# 0.125, where plain summary's retrieval is lost); without a tokenizer to find sentences, the same composition on
+# summary's own scores (the lowest KL measured at 0.0625).
+COVER_FROM = 0.25
+NO_SENTENCES = ("summary+turboquant", {})
+
+
+def flagship(budget: float) -> tuple[str, dict]:
+    """(method, knobs) of the long method `summary` at `budget` (see COVER_FROM)."""
+    if budget >= COVER_FROM:
+        return "summary", {"cover": TurboQuant(bits=3.5, center=True), "score": "surprisal"}
+    return "summary+turboquant", {"score": "sentence", "key_shift": 1}
+
 
 # extra total time over the full cache the middle (quantized) range may take before the long range takes over
 LATENCY = {"fast": 0.0, "balanced": 0.5, "memory": None}
@@ -138,7 +157,11 @@ class Policy:
         return self._decide(self.mid, frac, f"memory binds at {frac:.3f}; middle range ({where})")
 
     def _decide(self, method: str, budget: float, reason: str) -> Decision:
-        return Decision(method, min(1.0, budget), dict(self.knobs.get(method, {})), reason)
+        budget = min(1.0, budget)
+        if method == "summary" and method == self.long and not self.knobs.get(method):
+            method, knobs = flagship(budget)
+            return Decision(method, budget, knobs, f"{reason}; summary configured by budget (policy.flagship)")
+        return Decision(method, budget, dict(self.knobs.get(method, {})), reason)
 
     @staticmethod
     def _fraction(memory, context_len: int, model) -> float | None:
@@ -153,7 +176,18 @@ class Policy:
         """kvsum.compress with the method and budget this policy picks for `input_ids`; `cache.decision` says why."""
         ids = check_ids(model, input_ids)
         d = self.choose(ids.shape[-1], model, memory, latency)
-        cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
+        ruled = (d.method, d.knobs) == flagship(d.budget)  # the long method configured by budget
+        if ruled and d.knobs.get("score") == "sentence" and kwargs.get("tokenizer") is None:
+            d = Decision(NO_SENTENCES[0], d.budget, dict(NO_SENTENCES[1]), d.reason + "; no tokenizer for sentences")
+        try:
+            cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
+        except KVSumError:
+            if not (ruled and "cover" in d.knobs):
+                raise
+            # the cover does not fit this prompt (a short one, a large head dim): the configuration below it
+            method, knobs = flagship(0.0) if kwargs.get("tokenizer") is not None else NO_SENTENCES
+            d = Decision(method, d.budget, dict(knobs), d.reason + "; the cover does not fit this prompt")
+            cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
         cache.decision = d
         return cache
 
@@ -208,8 +242,11 @@ def _many(model, tokenizer, ctx, questions, policy, cache, gen, return_cache, si
         raise KVSumError("every question needs at least one token (the cache holds the whole context)")
     if cache is None:
         d = policy.choose(ctx.shape[-1], model)
-        cache = compress(model, ctx, method=d.method, budget=d.budget, tokenizer=tokenizer, **d.knobs)
-        cache.decision = d
+        if d.method == "full":
+            cache = compress(model, ctx, method="full")
+            cache.decision = d
+        else:
+            cache = policy.compress(model, ctx, tokenizer=tokenizer)
     elif cache.get_seq_length() != ctx.shape[-1]:
         raise KVSumError(f"the cache given holds {cache.get_seq_length()} tokens; the context has {ctx.shape[-1]} "
                          "(pass the cache of this context, before any question was read on it)")

@@ -41,8 +41,14 @@ def test_full_below_break_even_mid_then_long():
 def test_memory_binding_compresses_whatever_the_length():
     p = kvsum.Policy(table=table(mid=(1.2, 0.9, 0.85, 0.8, 0.8), long=(2.0, 1.5, 0.9, 0.6, 0.5)), latency="fast")
     assert p.choose(100, memory=0.5).method == "turboquant" and p.choose(100, memory=0.5).budget == 0.5
-    assert p.choose(100, memory=0.1).method == "summary"  # below what low-bit codes reach
-    assert p.choose(3000, memory=0.3).method == "summary"
+    low = p.choose(100, memory=0.1)  # below what low-bit codes reach: summary below its cover, as codes
+    assert (low.method, low.knobs) == ("summary+turboquant", {"score": "sentence", "key_shift": 1})
+    high = p.choose(3000, memory=0.3)  # a long context where summary's 3.5-bit cover fits
+    assert (high.method, high.knobs) == ("summary", {"cover": kvsum.TurboQuant(bits=3.5, center=True),
+                                                     "score": "surprisal"})
+    assert "configured by budget" in high.reason
+    own = kvsum.Policy(table=p.table, latency="fast", knobs={"summary": {"score": "mass"}})
+    assert own.choose(100, memory=0.1).knobs == {"score": "mass"}  # the user's own knobs: no rule
     assert p.choose(100, memory=1.0).method == "full"
 
 
@@ -53,7 +59,7 @@ def test_balanced_keeps_quantization_until_it_costs_half_again_the_full_cache():
     assert 512 < th["long_from"] < 1024
     assert p.choose(3000).method == "full"
     assert p.choose(600, memory=0.3).method == "turboquant"
-    assert p.choose(1500, memory=0.3).method == "summary"
+    assert p.choose(1500, memory=0.3).method == "summary"  # configured by budget: its cover fits 0.3
     assert p.thresholds("fast")["long_from"] == 512  # from where summary is no slower than turboquant
     assert p.thresholds("memory") == {"compress_from": 0, "long_from": None}
     assert p.choose(3000, latency="memory").method == "turboquant"
@@ -119,3 +125,16 @@ def test_several_questions_from_one_compression_answer_as_each_alone(tiny, memor
                         "holds 300 tokens")):
         with pytest.raises(KVSumError, match=match):
             kvsum.generate(tiny, tok, ctx, policy=policy, **bad)
+
+
+def test_the_policy_falls_back_where_the_flagship_cannot_run(tiny):
+    """Summary's configuration by budget needs a tokenizer below its cover (whole sentences) and a prompt long
+    enough for the cover: without either, the policy takes the next configuration and says so."""
+    ids = random_ids(300, 3)
+    p = kvsum.Policy(memory=0.1)
+    cache = kvsum.compress(tiny, ids, policy=p)  # no tokenizer: no sentences
+    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", {})
+    assert "no tokenizer" in cache.decision.reason and cache.ratio() <= 0.1 + 0.02
+    cache = kvsum.compress(tiny, ids, policy=kvsum.Policy(memory=0.26, latency="memory", mid_min_budget=0.3))
+    assert "the cover does not fit" in cache.decision.reason  # tiny head dims: the cover needs 0.3 here
+    assert cache.decision.method == "summary+turboquant"

@@ -63,6 +63,10 @@ EXPERIMENTS = [
                "alternated, beside the breakdown; one thread (robust on a shared machine)",
                methods=("summary", spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)), "snapkv",
                         "turboquant"), threads=1, args=("--length", "4096", "--budget", "0.25")),
+    *[Experiment(f"eval_{task}", "policy", "kvsum", f"the policy's summary by budget at 0.1 against plain summary "
+                 f"({task}, 2k)", part="eval", out="dir",
+                 args=("--method", "full,summary,summary+turboquant:score=sentence,key_shift=1", "--budget", "0.1",
+                       "--task", task, "--lengths", "2048", "--n", "10")) for task in ("passkey", "multikey")],
     Experiment("breakeven", "perf", "kvsum", "the policy's break-even table (kvsum bench breakeven)",
                part="bench breakeven", threads=2),
     Experiment("reconstruct", "reconstruct", "reconstruct", "calibration cost and per-layer reconstruction error",
