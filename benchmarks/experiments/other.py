@@ -92,6 +92,8 @@ EXPERIMENTS = [
                threads=1, runs=(("--lengths", "32768", "--tasks", "niah_single", "--n", "1", "--methods", *LONG),
                                 ("--lengths", "32768", "--tasks", "niah_single_code", "--n", "1", "--methods", *LONG),
                                 ("--lengths", "16384", "--n", "1", "--methods", *LONG),
+                                ("--lengths", "16384", "--tasks", "niah_single", "--n", "2", "--methods", *LONG),
+                                ("--lengths", "16384", "--tasks", "niah_single_code", "--n", "2", "--methods", *LONG),
                                 ("--lengths", "4096", "8192", "--n", "2", "--methods", *LONG),
                                 ("--lengths", "4096", "--tasks", "niah_multikey", "niah_multivalue", "vt", "--n", "1",
                                  "--methods", *LONG))),
