@@ -28,9 +28,9 @@ import torch
 import kvsum
 from kvsum.eval.text import prose_ids
 from kvsum.persist import read_header
-from kvsum.spec import parse_spec
 
 from .common import REPO, arguments, start, write_page
+from .specs import parse_row
 
 CONFIGS = ("full@1", "summary:cover=turboquant(bits=3.5,center=True),score=surprisal@0.25", "turboquant@0.25",
            "kivi:bits=4@0.5", "snapkv@0.25", "summary+turboquant:score=sentence,key_shift=1@0.125")
@@ -38,10 +38,8 @@ STORE_METHOD = "turboquant"
 
 
 def _build(model, tok, ids, text: str):
-    spec, _, budget = text.rpartition("@")
-    s = parse_spec(spec)
-    knobs = {k: kvsum.make_method(v.name, **v.knobs) if hasattr(v, "knobs") else v for k, v in s.knobs.items()}
-    return kvsum.compress(model, ids, method=s.name, budget=float(budget), tokenizer=tok, **knobs)
+    name, knobs, budgets = parse_row(text)
+    return kvsum.compress(model, ids, method=name, budget=budgets[0], tokenizer=tok, **knobs)
 
 
 def _median(fn, repeats: int) -> tuple[float, object]:

@@ -20,16 +20,18 @@ from pathlib import Path
 
 import torch
 
+from .compress import compress
 from .errors import KVSumError
 from .methods import make_method
+from .models import cache_dir
 from .persist import SUFFIX, from_bytes, read_header, write_atomic
 from .shape import fingerprint
 from .spec import format_value
 
 
 def default_directory() -> Path:
-    """$KVSUM_CACHE/store, else ~/.cache/kvsum/store (the CLI's `kvsum store` default)."""
-    return Path(os.environ.get("KVSUM_CACHE", Path.home() / ".cache" / "kvsum")) / "store"
+    """The `store` folder of kvsum's cache ($KVSUM_CACHE, else ~/.cache/kvsum): the CLI's `kvsum store` default."""
+    return cache_dir() / "store"
 
 
 def _alive(pid: int) -> bool:
@@ -124,8 +126,6 @@ class Store:
             cache = self._load(key, model)  # written by another process while this one waited
             if cache is not None:
                 return cache
-            from .compress import compress
-
             cache = compress(model, ids, method=method, budget=budget, storage_dtype=storage_dtype,
                              tokenizer=tokenizer, **knobs)
             self.put(key, cache)

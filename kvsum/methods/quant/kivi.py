@@ -145,7 +145,7 @@ class KIVIState:
     def online(self, q: Tensor, scale: float) -> list | None:
         """On CUDA, a decoding step over the codes in one fused pass (kvsum/kernels/kivi.py's `attend`), beside the
         exact sinks' and window's partials (kvsum/kernels/online.py); None where that kernel does not serve."""
-        if not (self._native(q.shape[2]) and kernels.serves(self.k_scale)):
+        if not (kernels.serves(self.k_scale) and self._native(q.shape[2])):  # the cheap check first: CPU steps
             return None
         from ...kernels import kivi as gpu
 

@@ -172,7 +172,7 @@ class TurboQuantState:
         partial (max, sum, values) that joint attention joins with the exact parts and the tail, no logit written
         to memory; `skip`: flat indices h * T + t of tokens left out (held exactly elsewhere). None where that
         kernel does not serve (then `scores` and `mix` do)."""
-        if not (self.serves_runs(q.shape[2]) and kernels.serves(self.v_norm)):
+        if not (kernels.serves(self.v_norm) and self.serves_runs(q.shape[2])):  # the cheap check first: CPU steps
             return None
         from ...kernels import flash
 
