@@ -118,7 +118,10 @@ COVER_KNOBS = {"cover_bits": "bits", "cover_center": "center", "cover_basis": "k
 
 def spec_of(method: str, knobs: dict) -> str:
     """The configuration as a spec string a user can run today: summary's old cover knobs (committed rows
-    predate `cover=`) written as the quantizer they configured."""
+    predate `cover=`) written as the quantizer they configured, and a bare `summary` (committed rows predate
+    summary configured by budget: they are summary's own defaults) as `summary:by_budget=False`."""
+    if method == "summary" and not knobs:
+        return "summary:by_budget=False"
     cover = {COVER_KNOBS[k]: v for k, v in knobs.items() if k in COVER_KNOBS}
     rest = [f"{k}={v}" for k, v in knobs.items() if k not in COVER_KNOBS]
     if cover:

@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 _API = {"Cache": ".cache", "compress": ".compress", "compress_prefill": ".compress", "DecodingEviction": ".decoding",
         "LayerInput": ".methods", "Method": ".methods", "Plan": ".methods", "make_method": ".methods",
         "register": ".methods", "KIVI": ".methods.quant.kivi", "TurboQuant": ".methods.quant.turboquant",
-        "load_model": ".models", "load_cache": ".persist", "Decision": ".policy", "Policy": ".policy",
+        "load_model": ".models", "load_cache": ".persist", "Decision": ".compress", "Policy": ".policy",
         "generate": ".policy", "prefill": ".prefill", "Store": ".store", "EntryState": ".state", "LayerState": ".state"}
 
 

@@ -107,7 +107,9 @@ def demo_table(result: dict, dtype: str, budget: float):
         return f"{escape(one_line(qa[label]))}  {mark}"
 
     name = result["method"]
-    table = Table(title=f"kvsum demo: {result['tokens']} tokens, method {escape(name)} at budget {budget}",
+    chosen = f" (configured by budget: {result['chosen']})" if result.get("chosen") else ""
+    table = Table(title=f"kvsum demo: {result['tokens']} tokens, method {escape(name)} at budget {budget}"
+                        f"{escape(chosen)}",
                   caption="each cache is compressed once; every question is answered from a copy of it "
                           "(generate() grows the cache it is given)")
     table.add_column("")

@@ -6,16 +6,29 @@ their window already. A batch is compressed one sequence at a time (its padding 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from .budget import check_budget, check_storage, full_nbytes
 from .cache import Cache, KVSumSlidingLayer
 from .errors import KVSumError
-from .methods import LayerInput, Method, make_method
+from .methods import LayerInput, Method, make_method, prefill_needs
 from .methods.quant.stream import BatchQuantStream, QuantStream
 from .prefill import Prefill, check_attention_mask, check_ids, check_prefill, prefill
 from .rope import layer_rope
+from .spec import Spec, format_spec
+
+
+@dataclass
+class Decision:
+    """What was picked for one request, and why (one line, with the thresholds used)."""
+
+    method: str
+    budget: float
+    knobs: dict
+    reason: str
 
 
 def _copy_layer(src, dst) -> None:
@@ -35,6 +48,8 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
 
     Only global layers are compressed; sliding-window layers are kept (moved with `consume`, else copied)
     as transformers holds them, and the budget is a fraction of the global layers' full 16-bit bytes.
+    A method that stands for several configurations (`summary` with no knobs: Method.choices) compresses with
+    the first that fits the prompt, and `cache.decision` says which and why.
     """
     if isinstance(method, str):
         method = make_method(method)
@@ -43,6 +58,22 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
                          f"got {type(method).__name__}")
     budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)
     pre = check_prefill(pre)
+    choices = method.choices(budget, pre.tokens, pre.sentence_ends is not None)
+    skipped = []
+    for k, c in enumerate(choices):
+        try:  # a configuration that does not fit fails before it frees anything (_compress builds all states first)
+            out = _compress(pre, c.method, budget, storage_dtype, consume)
+        except KVSumError as e:
+            if k + 1 == len(choices):
+                raise
+            skipped.append(f"{format_spec(Spec(c.name, c.knobs))} does not fit this prompt: {e}")
+            continue
+        if c.method is not method:
+            out.decision = Decision(c.name, budget, dict(c.knobs), "; ".join([*skipped, c.why]))
+        return out
+
+
+def _compress(pre: Prefill, method: Method, budget: float, storage_dtype, consume: bool) -> Cache:
     s = pre.shape
     if method.name == "full":
         out = pre.cache
@@ -113,11 +144,12 @@ def compress(model, input_ids: Tensor, method: str = "streaming_llm", budget: fl
     input_ids = check_ids(model, input_ids, batch=True)
     mask = None if attention_mask is None else check_attention_mask(attention_mask, input_ids)
     B, T = input_ids.shape
+    opts = prefill_needs([m])
     if B == 1 and (mask is None or bool(mask.all())):
-        pre = prefill(model, input_ids, tokenizer=tokenizer, **m.prefill_options())
+        pre = prefill(model, input_ids, tokenizer=tokenizer, **opts)
         return compress_prefill(pre, m, budget, storage_dtype, consume=True)
     lengths = [T] * B if mask is None else mask.sum(1).tolist()
-    caches = [compress_prefill(prefill(model, input_ids[b:b + 1, T - n:], tokenizer=tokenizer, **m.prefill_options()),
+    caches = [compress_prefill(prefill(model, input_ids[b:b + 1, T - n:], tokenizer=tokenizer, **opts),
                                m, budget, storage_dtype, consume=True) for b, n in enumerate(lengths)]
     out = Cache.stack(caches, T)
     for i, layer in enumerate(out.layers):  # quantizers keep quantizing each sequence's generated tokens

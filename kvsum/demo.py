@@ -21,10 +21,8 @@ from .methods import make_method
 from .prefill import prefill
 from .spec import Spec, format_spec, parse_spec
 
-# The flagship at budget 0.25 (benchmarks/results/summary/summary_cover_quarter.md): exact anchors by surprisal (at 0.25
-# little more than the sinks and the recent window), every other token as 3.5-bit TurboQuant codes, keys centered.
-DEFAULT_METHOD, DEFAULT_KNOBS = "summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}),
-                                            "score": "surprisal"}
+# The flagship: `summary` with no knobs, configured by budget (kvsum/methods/summary/default.py).
+DEFAULT_METHOD = "summary"
 
 
 def _document(tok, tokens: int, seed: int = 7):
@@ -62,7 +60,7 @@ def run_demo(model, tok, method: str | Spec | None = None, budget: float = 0.25,
              progress: bool = True) -> dict:
     """Prefill the document, compress it once per cache (full, and `method` at `budget`), answer each question
     from a copy of each. `method`: a spec string ("summary:score=surprisal") or Spec; None: the flagship."""
-    spec = Spec(DEFAULT_METHOD, DEFAULT_KNOBS) if method is None else (
+    spec = Spec(DEFAULT_METHOD, {}) if method is None else (
         method if isinstance(method, Spec) else parse_spec(method))
     m, full = make_method(spec.name, **spec.knobs), make_method("full")
     ctx, cues = _document(tok, tokens)
@@ -88,6 +86,8 @@ def run_demo(model, tok, method: str | Spec | None = None, budget: float = 0.25,
                 times[label] += seconds
                 bar.advance()
             answers.append(row)
-    return dict(method=format_spec(spec), tokens=ctx.shape[1], full16_bytes=pre.cache.reference_nbytes,
+    made = getattr(caches["compressed"], "decision", None)  # summary configured by budget: what it became
+    chosen = made and format_spec(Spec(made.method, made.knobs))
+    return dict(method=format_spec(spec), chosen=chosen, tokens=ctx.shape[1], full16_bytes=pre.cache.reference_nbytes,
                 full_bytes=held["full"], bytes=held["compressed"], prefill_s=prefill_s, compress_s=compress_s,
                 answers=answers, full_answer_s=times["full"], answer_s=times["compressed"])

@@ -17,7 +17,8 @@ bytes; None: memory does not bind):
      from it the middle method below `long_from` and the long method from it, at the table's budget;
   2. memory binds: compress to it; the middle method below `long_from` unless the budget is under what
      low-bit codes reach (`mid_min_budget`), the long method otherwise.
-The long method `summary` (the default, with no knobs of the user's) is configured by budget (`flagship`).
+The long method `summary` (the default, with no knobs of the user's) is configured by budget when it compresses
+(kvsum/methods/summary/default.py); `cache.decision` says what it became.
 """
 
 from __future__ import annotations
@@ -30,28 +31,10 @@ import torch
 from transformers import DynamicCache
 
 from .breakeven import crossing, load
-from .compress import compress
+from .compress import Decision, compress
 from .errors import KVSumError
-from .methods.quant.turboquant import TurboQuant
 from .prefill import check_ids
 from .shape import ModelShape
-
-# summary's configuration by budget, from the measurements on the bundled model (benchmarks/results/headline.md):
-# where its 3.5-bit centered TurboQuant cover fits, exact anchors by token surprisal and every other token as codes
-# (retrieval at the full cache's level, KL 0.007 at 0.25); below, summary's selection stored as TurboQuant codes,
-# anchors as whole sentences, key bits shifted to the sharpest layers (passkey 100 / multikey 40, KL 0.058 at
-# 0.125, where plain summary's retrieval is lost); without a tokenizer to find sentences, the same composition on
-# summary's own scores (the lowest KL measured at 0.0625).
-COVER_FROM = 0.25
-NO_SENTENCES = ("summary+turboquant", {})
-
-
-def flagship(budget: float) -> tuple[str, dict]:
-    """(method, knobs) of the long method `summary` at `budget` (see COVER_FROM)."""
-    if budget >= COVER_FROM:
-        return "summary", {"cover": TurboQuant(bits=3.5, center=True), "score": "surprisal"}
-    return "summary+turboquant", {"score": "sentence", "key_shift": 1}
-
 
 # extra total time over the full cache the middle (quantized) range may take before the long range takes over
 LATENCY = {"fast": 0.0, "balanced": 0.5, "memory": None}
@@ -66,16 +49,6 @@ def _gap(long: float | None, mid: float | None) -> float:
 
 def _fmt(tokens: int | None) -> str:
     return "never" if tokens is None else str(tokens)
-
-
-@dataclass
-class Decision:
-    """What the policy picked for one request, and why (one line, with the thresholds used)."""
-
-    method: str
-    budget: float
-    knobs: dict
-    reason: str
 
 
 @dataclass
@@ -157,11 +130,10 @@ class Policy:
         return self._decide(self.mid, frac, f"memory binds at {frac:.3f}; middle range ({where})")
 
     def _decide(self, method: str, budget: float, reason: str) -> Decision:
-        budget = min(1.0, budget)
-        if method == "summary" and method == self.long and not self.knobs.get(method):
-            method, knobs = flagship(budget)
-            return Decision(method, budget, knobs, f"{reason}; summary configured by budget (policy.flagship)")
-        return Decision(method, budget, dict(self.knobs.get(method, {})), reason)
+        knobs = dict(self.knobs.get(method, {}))
+        if method == "summary" and not knobs:
+            reason += "; summary configured by budget when it compresses (cache.decision says how)"
+        return Decision(method, min(1.0, budget), knobs, reason)
 
     @staticmethod
     def _fraction(memory, context_len: int, model) -> float | None:
@@ -176,18 +148,10 @@ class Policy:
         """kvsum.compress with the method and budget this policy picks for `input_ids`; `cache.decision` says why."""
         ids = check_ids(model, input_ids)
         d = self.choose(ids.shape[-1], model, memory, latency)
-        ruled = (d.method, d.knobs) == flagship(d.budget)  # the long method configured by budget
-        if ruled and d.knobs.get("score") == "sentence" and kwargs.get("tokenizer") is None:
-            d = Decision(NO_SENTENCES[0], d.budget, dict(NO_SENTENCES[1]), d.reason + "; no tokenizer for sentences")
-        try:
-            cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
-        except KVSumError:
-            if not (ruled and "cover" in d.knobs):
-                raise
-            # the cover does not fit this prompt (a short one, a large head dim): the configuration below it
-            method, knobs = flagship(0.0) if kwargs.get("tokenizer") is not None else NO_SENTENCES
-            d = Decision(method, d.budget, dict(knobs), d.reason + "; the cover does not fit this prompt")
-            cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
+        cache = compress(model, ids, method=d.method, budget=d.budget, **{**d.knobs, **kwargs})
+        made = getattr(cache, "decision", None)  # what a method configured by budget became (summary)
+        if made is not None:
+            d = Decision(made.method, d.budget, made.knobs, f"{d.reason}; {made.reason}")
         cache.decision = d
         return cache
 

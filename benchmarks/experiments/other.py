@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from .base import Experiment, spec, tq
 
-PERF = ("turboquant", "kivi", "summary", "summary+turboquant", "streaming_llm", "snapkv")
-GEMMA = ("full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi", "echokv", "lowrank")
+PLAIN = "summary:by_budget=False"  # summary with its own defaults (before "summary" meant the flagship by budget)
+PERF = ("turboquant", "kivi", PLAIN, "summary+turboquant", "streaming_llm", "snapkv")
+GEMMA = ("full", "streaming_llm", "snapkv", "restkv", PLAIN, "turboquant", "kivi", "echokv", "lowrank")
 GEMMA_MORE = (("echokv", "lowrank"), ("turboquant:rotation=hadamard",), ("turboquant",),
               ("summary:cover=turboquant(bits=3),score=surprisal",
                "summary:cover=turboquant(bits=3,rotation=hadamard),score=surprisal"))
@@ -43,7 +44,7 @@ EXPERIMENTS = [
          ("--methods", *PERF, "--lengths", "1024", "2048", "4096", "--budget-lengths", "4096"),
          ("--methods", *PERF, "--lengths", "8192", "--budget-lengths", "8192", "--rounds", "11"),
          ("--methods", *PERF, "--lengths", "1024", "2048", "4096"),
-         ("--methods", "summary", "streaming_llm", "snapkv", "--lengths", "8192", "--budget-lengths", "8192",
+         ("--methods", PLAIN, "streaming_llm", "snapkv", "--lengths", "8192", "--budget-lengths", "8192",
           "--rounds", "11"),
          ("--methods", "turboquant", "kivi", "summary+turboquant", "--lengths", "4096", "8192", "--budget-lengths",
           "4096", "8192", "--rounds", "11"),
@@ -51,21 +52,21 @@ EXPERIMENTS = [
     perf("memory", "cache bytes and peak resident memory during compression at 8k",
          ("--methods", *PERF, "--lengths", "8192")),
     Experiment("cost", "perf", "cost", "compression over prefill and decode over full at 4k, budget 0.25",
-               methods=("summary", "hae", "streaming_llm", "snapkv", "restkv"), threads=2,
+               methods=(PLAIN, "hae", "streaming_llm", "snapkv", "restkv"), threads=2,
                args=("--length", "4096", "--budget", "0.25")),
     Experiment("cost_cover", "perf", "cost", "the same for the demo's code cover",
-               methods=("summary", spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)),
+               methods=(PLAIN, spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)),
                         "turboquant"), threads=2, args=("--length", "4096", "--budget", "0.25")),
     Experiment("cost_sentence", "perf", "cost", "the same at 0.125 for summary+turboquant by sentence",
-               methods=(spec("summary+turboquant", score="sentence"), "summary", "streaming_llm", "snapkv"),
+               methods=(spec("summary+turboquant", score="sentence"), PLAIN, "streaming_llm", "snapkv"),
                threads=2, args=("--length", "4096", "--budget", "0.125")),
     Experiment("cost_user", "perf", "cost", "what a user pays at 4k: kvsum.compress over a plain model(ids), "
                "alternated, beside the breakdown; one thread (robust on a shared machine)",
-               methods=("summary", spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)), "snapkv",
+               methods=(PLAIN, spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)), "snapkv",
                         "turboquant"), threads=1, args=("--length", "4096", "--budget", "0.25")),
     *[Experiment(f"eval_{task}", "policy", "kvsum", f"the policy's summary by budget at 0.1 against plain summary "
                  f"({task}, 2k)", part="eval", out="dir",
-                 args=("--method", "full,summary,summary+turboquant:score=sentence,key_shift=1", "--budget", "0.1",
+                 args=("--method", f"full,{PLAIN},summary+turboquant:score=sentence,key_shift=1", "--budget", "0.1",
                        "--task", task, "--lengths", "2048", "--n", "10")) for task in ("passkey", "multikey")],
     Experiment("breakeven", "perf", "kvsum", "the policy's break-even table (kvsum bench breakeven)",
                part="bench breakeven", threads=2),
@@ -73,7 +74,7 @@ EXPERIMENTS = [
                args=("--tokens", "4096", "--heldout", "2048", "--budgets", "0.5", "0.25")),
     Experiment("reconstruct_eval", "reconstruct", "reconstruct_eval", "echokv / lowrank beside summary and restkv",
                methods=("full", *(spec(m, (0.5, 0.25), **k) for m, k in (("echokv", {}), ("lowrank", {}), (
-                   "lowrank", {"share_layers": 2}), ("summary", {}), ("restkv", {})))),
+                   "lowrank", {"share_layers": 2}), ("summary", {"by_budget": False}), ("restkv", {})))),
                n=6, threads=1, args=("--n-lm", "3")),
     Experiment("gemma", "gemma", "gemma", "Gemma 3 270M: every family at 0.5 / 0.25 / 0.125 of the global layers",
                threads=2, runs=gemma_runs()),

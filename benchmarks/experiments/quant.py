@@ -40,7 +40,8 @@ GROUPS = {  # the method rows each named group of the quantization tables holds
 }
 MAIN = (*GROUPS["quant"], *GROUPS["noshift"], *GROUPS["plain"])
 # the lm part's budget-0.0625 comparison, after the quantizer rows
-COMPOSE = (spec("summary", (TINY,)), spec("summary+turboquant", (TINY,)), spec("turboquant", (0.1,), bits=1))
+COMPOSE = (spec("summary", (TINY,), by_budget=False), spec("summary+turboquant", (TINY,)),
+           spec("turboquant", (0.1,), bits=1))
 MARGINS = (*GROUPS["sides"], GROUPS["unbiased"][1], *GROUPS["unbiased_both"], QUANT[0])
 DECODE = (*(spec("turboquant", bits=b, path=p) for b in (4, 3.5, 2.5, 2) for p in ("rotated", "dequant")),
           *GROUPS["pca"], spec("kivi", bits=4), spec("kivi", bits=2))

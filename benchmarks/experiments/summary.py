@@ -7,15 +7,16 @@ from .base import Experiment, spec, tq
 EVICTION = ("streaming_llm", "random", "snapkv", "h2o", "tova", "knorm", "expected_attention", "restkv")
 MAIN, EVICT, ABLATION = (0.5, 0.25, 0.125, 0.0625), (0.5, 0.25, 0.125), (0.25, 0.125)
 ABLATIONS = (  # each switches one stage of the default summary on or off
-    dict(entropy_allocation=True), dict(refit=False), dict(lowrank_share=0.2, anchor_share=0.6),
+    dict(entropy_allocation=True, by_budget=False), dict(refit=False), dict(lowrank_share=0.2, anchor_share=0.6),
     dict(anchor_share=1.0), dict(score="surprisal"), dict(score="sharp_mass"),
 )
-SUMMARY = ("full", spec("summary", MAIN), spec("hae", MAIN), *(spec(m, EVICT) for m in EVICTION),
+SUMMARY = ("full", spec("summary", MAIN, by_budget=False), spec("hae", MAIN), *(spec(m, EVICT) for m in EVICTION),
            *(spec("summary", ABLATION, **a) for a in ABLATIONS))
 
 QUARTER_COVER = spec("summary", (0.25,), score="surprisal", cover=tq(bits=3.5, center=True))  # the demo's
 COVER_GROUPS = {
-    "main": ("full", spec("summary", (0.25, 0.125)), spec("summary", (0.25, 0.125), cover_share=0.75),
+    "main": ("full", spec("summary", (0.25, 0.125), by_budget=False),
+             spec("summary", (0.25, 0.125), cover_share=0.75),
              spec("summary", (0.25,), cover=tq(bits=3)), spec("summary", (0.25,), score="surprisal", cover=tq(bits=3)),
              spec("summary", (0.125,), cover=tq(bits=1)), spec("summary+turboquant", (0.25, 0.125)),
              spec("restkv", (0.25, 0.125)), spec("snapkv+turboquant", (0.125,)), spec("turboquant", (0.25, 0.125))),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -77,6 +77,15 @@ class Plan:
     fractions: tuple[float, ...]
 
 
+class Choice(NamedTuple):
+    """One configuration a method stands for: the built method, its name and knobs as a spec writes them, why."""
+
+    method: Method
+    name: str
+    knobs: dict
+    why: str
+
+
 @dataclass(frozen=True)
 class Method:
     """Base of every method config. Subclasses (frozen dataclasses too) set `name`, `summary` and implement
@@ -86,6 +95,7 @@ class Method:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False  # whether compress reads LayerInput.queries
+    composed_defaults: ClassVar[dict] = {}  # knob values a composition's part starts from unless given
 
     def plan(self, inputs: list[LayerInput], budget: float) -> Plan:
         """This prompt's plan over its layers: the same fraction of every layer's bytes by default."""
@@ -103,6 +113,12 @@ class Method:
     def prefill_options(self) -> dict:
         """Extra signals this method needs from kvsum.prefill (e.g. {"repeat": True})."""
         return {}
+
+    def choices(self, budget: float, tokens: int, sentences: bool) -> list[Choice]:
+        """The configurations this method stands for at `budget` on a `tokens`-token prompt (`sentences`: the
+        prefill marks sentence ends), best first; kvsum.compress takes the first that fits. A configured
+        method stands for itself; `summary` with no knobs is configured by budget (summary/default.py)."""
+        return [Choice(self, self.name, {}, "")]
 
     def stream(self, layer_idx: int, state: LayerState):
         """The decoding-time Stream (kvsum.cache.Stream) of layer `layer_idx` given its compressed state, or

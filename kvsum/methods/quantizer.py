@@ -51,7 +51,6 @@ class Quantizer(Method):
     supported_bits: ClassVar[tuple[float, ...]] = ()  # the widths `bits` may take
     default_bits: ClassVar[float] = 0  # the width of a composition or a cover whose quantizer has bits=None
     exact_knobs: ClassVar[tuple[str, ...]] = ()  # knobs keeping prompt tokens exact (refused in a composition)
-    composed_defaults: ClassVar[dict] = {}  # knob values a composition starts from unless given
     position_knobs: ClassVar[tuple[str, ...]] = ()  # knobs tying the codes to prompt positions (refused composed)
 
     bits = None  # overridden by each subclass's field

@@ -32,8 +32,14 @@ def register(cls):
 
 
 def prefill_needs(methods) -> dict:
-    """The kvsum.prefill extras any of `methods` asks for (the union of their prefill_options), as keywords."""
-    return {k: True for m in methods for k, v in m.prefill_options().items() if v}
+    """The kvsum.prefill extras any of `methods` asks for (the union of their prefill_options), as keywords;
+    a value "optional" (sentence ends where a tokenizer is given) gives way to True."""
+    out = {}
+    for m in methods:
+        for k, v in m.prefill_options().items():
+            if v and out.get(k) is not True:  # True (needed) over "optional" (used where available)
+                out[k] = v
+    return out
 
 
 def make_method(name: str, **knobs) -> Method:
@@ -152,5 +158,6 @@ def _compose(name: str, knobs: dict) -> Composed:
     if knob:  # refused before the quantizer checks its own knobs (Composed refuses it for built parts too)
         raise KVSumError(f"{name!r}: {quant}'s {knob} un-rotates each key by its position, and {first} keeps "
                          f"entries whose positions the codes do not get; drop {knob} in a composition")
-    routed[quant] = {**REGISTRY[quant].composed_defaults, **routed[quant]}  # e.g. turboquant's key shift off
+    for m in parts:  # e.g. turboquant's key shift off, summary as configured (not by budget)
+        routed[m] = {**REGISTRY[m].composed_defaults, **routed[m]}
     return Composed(first=make_method(first, **routed[first]), quant=make_method(quant, **routed[quant]))

@@ -20,7 +20,8 @@ def test_budget_covers_the_quantized_total_and_generation_works(name, budget, kn
     cache = kvsum.compress(model, ctx, method=name, budget=budget, **knobs)
     assert cache.method == name
     assert (budget - 0.02) * cache.reference_nbytes <= cache.nbytes() <= (budget + 0.02) * cache.reference_nbytes
-    alone = kvsum.compress(model, ctx, method=name.split("+")[0], budget=budget)
+    first = name.split("+")[0]  # alone, as configured in the composition (summary: not by budget)
+    alone = kvsum.compress(model, ctx, method=first, budget=budget, **make_method(first).composed_defaults)
     assert sum(cache.layers[0].lengths()) > 2 * sum(alone.layers[0].lengths())  # quantized entries are cheaper
     out = model.generate(ids[:, :510], cache=cache, max_new_tokens=50, min_new_tokens=50, do_sample=False)
     assert out.shape == (1, 560) and cache.get_seq_length() == 559

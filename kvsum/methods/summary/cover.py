@@ -22,9 +22,23 @@ import inspect
 import torch
 from torch import Tensor
 
+from ...errors import KVSumError
 from ...rope import rope_tables, rotate, unrotate
 from ...state import tensor_bytes
+from ..quantizer import Quantizer
 from .fit import lowrank_factors
+
+
+def check_cover(cover) -> None:
+    """A code cover is a quantizer of every non-anchor token: no exact tokens or positions of its own."""
+    if cover is None:
+        return
+    if not isinstance(cover, Quantizer):
+        raise KVSumError(f"summary: cover must be a quantizer (e.g. TurboQuant(bits=3.5)), got {cover!r}")
+    knobs = cover.exact_set() + [k for k in [cover.position_knob()] if k]
+    if knobs:
+        raise KVSumError(f"summary: the cover codes every token but the anchors (summary's sinks and window "
+                         f"decide what stays exact, in position order); drop the cover's {', '.join(knobs)}")
 
 EXCLUDED_BYTES = 8  # an excluded token's flat (head, position) index, int64: each anchor a cover skips costs this too
 

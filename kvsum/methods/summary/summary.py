@@ -26,12 +26,12 @@ from ...budget import full_nbytes
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..attention_stats import causal_logits, group_queries, head_diffuseness
-from ..base import LayerInput, Method, Plan
+from ..base import Choice, LayerInput, Method, Plan
 from ..quantizer import KeyShiftPlan, Quantizer
 from ..refusal import budget_hint, least_budget
 from ..registry import register
-from . import scores
-from .cover import EXCLUDED_BYTES, CoverState, MaskedState, cover_bytes
+from . import default, scores
+from .cover import EXCLUDED_BYTES, CoverState, MaskedState, check_cover, cover_bytes
 from .fit import fit_chunk_summaries, split_by_weight
 from .lowrank import LowRankState
 from .scores import SCORES
@@ -70,11 +70,13 @@ class Summary(Method):
         cover: a quantizer (e.g. TurboQuant(bits=3.5)) coding every non-anchor token instead (takes
             precedence over cover_share); its bits (else its default_bits) are used as given.
         key_share: share of the low-rank cover's rank given to keys (values are less compressible).
+        by_budget: with no other knob set, kvsum.compress configures summary by budget (default.py); False: as here.
     """
 
     name = "summary"
     summary = "entropy-guided anchors + least-squares summaries + low-rank tier (the flagship)"
     needs_queries = True
+    composed_defaults = {"by_budget": False}  # a composition's summary is the one configured, never the rule
     sinks: int = 4
     window: int = 32
     anchor_share: float = 0.8
@@ -90,6 +92,7 @@ class Summary(Method):
     cover_share: float = 0.0
     cover: Quantizer | None = None
     key_share: float = 0.25
+    by_budget: bool = True
 
     def __post_init__(self):
         for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
@@ -101,15 +104,16 @@ class Summary(Method):
             raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.key_mode not in ("max", "mean"):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
-        if self.cover is not None:
-            if not isinstance(self.cover, Quantizer):
-                raise KVSumError(f"summary: cover must be a quantizer (e.g. TurboQuant(bits=3.5)), got {self.cover!r}")
-            knobs = self.cover.exact_set() + [k for k in [self.cover.position_knob()] if k]
-            if knobs:
-                raise KVSumError(f"summary: the cover codes every token but the anchors (summary's sinks and window "
-                                 f"decide what stays exact, in position order); drop the cover's {', '.join(knobs)}")
+        check_cover(self.cover)
+
+    def choices(self, budget: float, tokens: int, sentences: bool) -> list[Choice]:
+        if self.by_budget and self == Summary():  # no knob of the user's: configured by budget (default.py)
+            return default.choices(budget, sentences)
+        return super().choices(budget, tokens, sentences)
 
     def prefill_options(self) -> dict:
+        if self.by_budget and self == Summary():  # what any configuration of the rule needs
+            return {"surprisal": True, "sentences": "optional"}
         return {"surprisal": self.score in ("hybrid", "surprisal", "sentence"), "repeat": self.score == "repeat",
                 "sentences": self.score == "sentence"}
 
@@ -195,14 +199,12 @@ class Summary(Method):
         shift = plan.shift(x.layer_idx) if isinstance(plan, KeyShiftPlan) else 0
         planned = plan if isinstance(plan, SummaryPlan) else SummaryPlan((), cover=self.cover)
         quant = self._cover_quant(x, x.budget_bytes, shift, planned.cover)
-        uncovered = ""
-        if quant is not None and self._cover(x, elem, shift, quant)[1] + self._sink_bytes(x) > full_nbytes(
-                1, x.H, x.d, x.T):  # so few tokens that no budget holds the codes: anchors and summaries alone
-            quant, uncovered = None, self._uncovered_note()
+        uncovered, full = "", full_nbytes(1, x.H, x.d, x.T)
+        if quant is not None and self._cover(x, elem, shift, quant)[1] + self._sink_bytes(x) > full:
+            quant, uncovered = None, self._uncovered_note()  # so few tokens that no budget holds the codes
         cover, spend = self._cover(x, elem, shift, quant)
         sinks = self._sink_bytes(x) if quant is not None else 0
         if cover is not None and spend + sinks > x.budget_bytes:
-            full = full_nbytes(1, x.H, x.d, x.T)
             what = f"{quant.name}, bits={quant.fixed_bits()}" if quant else f"cover_share={self.cover_share}"
             raise KVSumError(f"summary: the cover ({what}) and the sinks exceed the budget {x.budget_bytes / full:.3f} "
                              f"of layer {x.layer_idx}; "

@@ -1,0 +1,47 @@
+"""What `summary` with no knobs stands for: the best configuration measured at each budget, by one rule.
+
+`kvsum.compress(model, ids, method="summary", budget=b)` is the flagship at every budget; the knobs stay for
+research (any knob set, or `by_budget=False`, gives summary as configured). The rule, for a budget b (a
+fraction of the full 16-bit cache), from the measurements on the bundled models (docs/results/flagship.md):
+  1. b >= COVER_FROM: exact anchors by token surprisal over a 3.5-bit centered TurboQuant cover of every other
+     token (at 0.25 little more than the sinks and the recent window are exact): the codes keep every token
+     approximately present, where a selection at a quarter of the bytes loses retrieval;
+  2. below, where 3.5-bit codes of every token no longer fit: summary's selection stored as TurboQuant codes
+     (`summary+turboquant`), anchors chosen as whole sentences ranked by surprisal (a fact is a sentence, not
+     its sharpest token) and key bits shifted from diffuse to sharp layers (key_shift=1);
+  3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
+Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
+dim: the cover's fixed costs), and summary's own defaults come last.
+"""
+
+from __future__ import annotations
+
+from ...spec import Spec
+from ..base import Choice
+from ..registry import make_method
+
+COVER_FROM = 0.25
+COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
+         "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
+SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1},
+             "summary's selection as TurboQuant codes, anchors as whole sentences")
+CODES = ("summary+turboquant", {}, "summary's selection as TurboQuant codes")
+PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
+
+
+def rows(budget: float, sentences: bool) -> list[tuple[str, dict, str]]:
+    """(method, knobs, why) in the rule's order at `budget` (`sentences`: the prefill marks sentence ends)."""
+    top = [COVER] if budget >= COVER_FROM else []
+    mid = [SENTENCES] if sentences else []
+    return [*top, *mid, CODES, PLAIN]
+
+
+def choices(budget: float, sentences: bool) -> list[Choice]:
+    """The rule's configurations at `budget`, built, best first (kvsum.compress takes the first that fits)."""
+    where = f"summary configured by budget ({budget:g} {'>=' if budget >= COVER_FROM else '<'} {COVER_FROM})"
+    out = []
+    for row in rows(budget, sentences):
+        name, knobs, why = row
+        why += " (no tokenizer to find sentences)" if row is CODES and not sentences else ""
+        out.append(Choice(make_method(name, **knobs), name, dict(knobs), f"{where}: {why}"))
+    return out

@@ -1,0 +1,74 @@
+"""kvsum/methods/summary/default.py: `summary` with no knobs is configured by budget, by one rule."""
+
+import pytest
+import torch
+
+import kvsum
+from kvsum.methods import make_method, prefill_needs
+from kvsum.methods.summary import default
+from tests.helpers import SentenceTokenizer, random_ids, tiny_llama
+
+QUERY = torch.tensor([[5, 6, 7, 8]])
+
+
+def _logits(model, cache, T):
+    with torch.no_grad():
+        return model(QUERY, past_key_values=cache, position_ids=torch.arange(T, T + 4)[None]).logits
+
+
+def test_the_rule_orders_its_configurations_by_budget():
+    top = [(c.name, c.knobs) for c in default.choices(0.25, sentences=True)]
+    assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True}),
+                                  "score": "surprisal"})
+    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1})
+    assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
+    low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
+    assert low == [("summary+turboquant", {}), ("summary", {"by_budget": False})]  # no cover, no sentences
+    for c in default.choices(0.05, sentences=True):  # every configuration the rule builds stands for itself
+        assert c.method.choices(0.05, 100, True)[0].method is c.method
+
+
+@pytest.mark.parametrize("budget, sentences, want", [(0.5, True, "summary"), (0.1, True, "summary+turboquant"),
+                                                     (0.1, False, "summary+turboquant")])
+def test_bare_summary_is_the_configuration_the_rule_picks_bit_for_bit(budget, sentences, want):
+    """method="summary" with no knobs gives exactly what the rule's configuration gives when asked for by name,
+    and cache.decision says which and why."""
+    model, tok = tiny_llama(), SentenceTokenizer() if sentences else None
+    ids = torch.randint(0, len(SentenceTokenizer.chars), (1, 600), generator=torch.Generator().manual_seed(4))
+    cache = kvsum.compress(model, ids, method="summary", budget=budget, tokenizer=tok)
+    d = cache.decision
+    assert d.method == want == cache.method and "configured by budget" in d.reason and d.budget == budget
+    assert ("sentence" in str(d.knobs)) == (sentences and budget < default.COVER_FROM)
+    same = kvsum.compress(model, ids, method=d.method, budget=budget, tokenizer=tok, **d.knobs)
+    assert not hasattr(same, "decision")  # a configured method stands for itself
+    assert cache.nbytes() == same.nbytes() <= budget * cache.reference_nbytes * 1.02
+    assert torch.equal(_logits(model, cache, 600), _logits(model, same, 600))
+
+
+def test_any_knob_or_by_budget_false_gives_summary_as_configured():
+    model, ids = tiny_llama(), random_ids(300, 5)
+    for knobs in ({"by_budget": False}, {"score": "surprisal"}, {"window": 16}):
+        cache = kvsum.compress(model, ids, method="summary", budget=0.25, **knobs)
+        assert cache.method == "summary" and not hasattr(cache, "decision")
+    part = make_method("summary+turboquant").first  # a composition's summary is never the rule
+    assert part.by_budget is False and part.choices(0.1, 300, True)[0].method is part
+
+
+def test_a_configuration_that_does_not_fit_gives_way_and_the_decision_says_so():
+    """On 300 tokens of the tiny model the 3.5-bit cover needs more than 0.25: the next configuration runs."""
+    model, ids = tiny_llama(), random_ids(300, 3)
+    cache = kvsum.compress(model, ids, method="summary", budget=0.25)
+    assert cache.decision.method == "summary+turboquant" and "does not fit this prompt" in cache.decision.reason
+    with pytest.raises(kvsum.KVSumError, match="budget"):  # a bad budget is refused before any configuration
+        kvsum.compress(model, ids, method="summary", budget=0.0)
+
+
+def test_sentence_ends_are_optional_for_the_rule_and_required_when_asked_for():
+    auto, sentence = make_method("summary"), make_method("summary", score="sentence")
+    assert prefill_needs([auto]) == {"surprisal": True, "sentences": "optional"}
+    assert prefill_needs([auto, sentence])["sentences"] is True
+    model, ids = tiny_llama(), torch.randint(0, len(SentenceTokenizer.chars), (1, 200))
+    assert kvsum.prefill(model, ids, **prefill_needs([auto])).sentence_ends is None  # no tokenizer: none
+    assert kvsum.prefill(model, ids, tokenizer=SentenceTokenizer(), **prefill_needs([auto])).sentence_ends is not None
+    with pytest.raises(kvsum.KVSumError, match="tokenizer"):
+        kvsum.prefill(model, ids, **prefill_needs([sentence]))
