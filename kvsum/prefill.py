@@ -178,7 +178,7 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
     its cache and every context key is scored by the attention it receives while being re-read (what a
     future question that needs it would do); the re-read is cropped off the cache afterwards.
     With `sentences`, the `tokenizer` marks the tokens that end a sentence (methods keep whole sentences);
-    sentences="optional" marks them where a tokenizer is given (summary by budget uses them when present).
+    sentences="optional" marks them where a tokenizer is given (summary by budget uses them where present).
     """
     input_ids = check_ids(model, input_ids)
     if not (isinstance(chunk, int) and chunk > 0 and isinstance(whole, int) and whole >= 0):
@@ -189,8 +189,8 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
         raise KVSumError(f"repeat scoring re-reads the prompt in one pass; a prompt of {T} tokens is longer than "
                          f"whole={whole} and is run in chunks: use a method without repeat scoring, or pass a "
                          "larger whole= (its memory grows with the square of the prompt length)")
-    if sentences == "optional":
-        sentences = tokenizer is not None
+    if sentences == "optional":  # where the tokenizer can decode single tokens
+        sentences = callable(getattr(tokenizer, "batch_decode", None))
     if sentences and tokenizer is None:
         raise KVSumError("this method keeps whole sentences and needs the model's tokenizer to find them: "
                          "pass tokenizer= to kvsum.compress (or kvsum.prefill)")

@@ -25,6 +25,11 @@ def meta(model: str | None = None, command: str | None = None, **extra) -> dict:
     return {**out, **extra}
 
 
+def _chosen(row: dict) -> str:
+    """What a method configured by budget became (summary with no knobs), e.g. "by budget: summary+turboquant"."""
+    return "by budget: " + " / ".join(row["chosen"]) if row.get("chosen") else ""
+
+
 def knobs_text(knobs: dict) -> str:
     """Knobs as a row shows them; a method-valued knob in its spec form, `cover=turboquant(bits=3.5)`."""
     return ", ".join(f"{k}={format_value(v)}" for k, v in knobs.items())
@@ -59,7 +64,8 @@ def markdown(rows: list[dict], info: dict | None = None) -> str:
         for r in sub:
             vals = ([f"{r['kl']:.4f}", f"{r['top1']:.1f}", f"{r['ppl_ratio']:.4f}"] if lm
                     else [f"{r['score']:.0f}", f"{r['full_score']:.0f}"])
-            lines.append([str(r["length"]), r["method"], knobs_text(r["knobs"]), f"{r['budget']:g}", str(r["n"]), *vals,
+            knobs = knobs_text(r["knobs"]) or _chosen(r)
+            lines.append([str(r["length"]), r["method"], knobs, f"{r['budget']:g}", str(r["n"]), *vals,
                           _mib(r["bytes"]), _mib(r["full_bytes"]), f"{r['ratio']:.3f}", f"{r['seconds']:.2f}"])
         parts += [_table(header, lines), ""]
     return "\n".join(parts)

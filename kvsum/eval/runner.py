@@ -18,6 +18,7 @@ from ..errors import KVSumError
 from ..extras import progress as progress_bar
 from ..methods import Method, make_method, prefill_needs
 from ..prefill import prefill
+from ..spec import Spec, format_spec
 from .metrics import fidelity, summarize_fidelity
 from .report import write  # noqa: F401  (re-exported: run, then write)
 from .tasks import Example, Task, get_task
@@ -116,6 +117,9 @@ def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, n
     rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
                compress_s=compress_s, global_bytes=cache.budget_nbytes(),
                global_full_bytes=cache.budget_reference_nbytes)  # global_*: the layers the budget governs
+    made = getattr(cache, "decision", None)  # summary configured by budget: what it became on this example
+    if made is not None:
+        rec["chosen"] = format_spec(Spec(made.method, made.knobs))
     if t.kind == "lm":
         ref_logits, targets = ref
         rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
@@ -149,6 +153,9 @@ def _row(t: Task, length: int, cfg, recs: list[dict]) -> dict:
     row.update(bytes=held, full_bytes=full, ratio=held / full, seconds=_mean(recs, "seconds"),
                global_ratio=_mean(recs, "global_bytes") / _mean(recs, "global_full_bytes"),
                compress_s=_mean(recs, "compress_s"), prefill_s=_mean(recs, "prefill_s"))
-    row["examples"] = [{k: r[k] for k in ("depth", "score", "full_score", "output", "kl", "top1") if k in r}
+    chosen = sorted({r["chosen"] for r in recs if "chosen" in r})
+    if chosen:
+        row["chosen"] = chosen
+    row["examples"] = [{k: r[k] for k in ("depth", "score", "full_score", "output", "kl", "top1", "chosen") if k in r}
                        for r in recs]
     return row

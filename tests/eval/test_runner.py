@@ -36,3 +36,13 @@ def test_run_retrieval_rows_have_full_score_and_bytes():
 def test_run_rejects_unknown_method_before_work():
     with pytest.raises(KVSumError, match="unknown method"):
         run(None, None, "passkey", ["nope"], [0.5], [300], n=1, progress=False)
+
+
+def test_rows_say_what_summary_by_budget_became():
+    """summary with no knobs records the configuration the rule chose per example (and the table shows it)."""
+    from kvsum.eval.report import _chosen
+    rows = run(tiny_llama(), CharTokenizer(), "passkey", ["summary", ("summary", {"by_budget": False})], [0.1],
+               [300], n=1, progress=False)
+    auto, plain = rows
+    assert auto["chosen"] == ["summary+turboquant"] and auto["examples"][0]["chosen"] == "summary+turboquant"
+    assert "chosen" not in plain and _chosen(auto) == "by budget: summary+turboquant"
