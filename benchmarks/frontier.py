@@ -1,0 +1,180 @@
+"""The frontier (issue 32): bytes held against retrieval and lm KL across budgets, the flagship beside each family.
+
+One configuration per family (default: `summary`, the flagship, configured by budget; `snapkv`, eviction;
+`turboquant`, quantization at the widest codes that fit; `echokv`, reconstruction; `snapkv+turboquant:key_shift=1`,
+composition), each at every budget, with the full cache once per length: passkey and multikey accuracy (%, the full
+cache's beside it, --n examples each) and lm KL(full || compressed) in nats (--n-lm examples), and the bytes held
+as a ratio of the full 16-bit cache. A configuration that refuses a budget (its codes or kept tokens do not fit) is
+recorded as a refusal, not a crash. Writes <out>.json (meta, rows, command) and <out>.md (one table per length:
+a row per configuration, a column per budget; under it what the flagship became at each budget).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import kvsum
+from kvsum.eval import run
+from kvsum.methods import make_method
+
+from .common import arguments, command, info_line, run_info
+from .specs import parse_row
+
+METHODS = ("summary", "snapkv", "turboquant", "echokv", "snapkv+turboquant:key_shift=1")
+BUDGETS = (0.03, 0.05, 0.1, 0.125, 0.25, 0.5)
+RETRIEVAL = ("passkey", "multikey")
+LM = "lm"
+
+
+def _label(rows: list[dict], config: str, length: int, budget: float) -> list[dict]:
+    for r in rows:
+        r.update(config=config, length=length, budget=budget)
+    return rows
+
+
+def _groups(n: int, n_lm: int) -> list[tuple[list[str], int]]:
+    """(tasks, examples) per call of the runner: retrieval at n, lm at n_lm (a count of 0 skips its tasks)."""
+    return [(ts, k) for ts, k in ((list(RETRIEVAL), n), ([LM], n_lm)) if k > 0]
+
+
+def _refusal(config: str, tasks: list[str], length: int, budget: float, err: Exception) -> list[dict]:
+    name, knobs, _ = parse_row(config)
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return [dict(task=t, length=length, config=config, method=name, knobs=knobs, budget=budget, refused=msg)
+            for t in tasks]
+
+
+def _run(model, tok, tasks, k, specs: list[str], length: int, budget: float, seed: int, progress: bool):
+    rows = run(model, tok, tasks, [parse_row(s)[:2] for s in specs], [budget], [length], k, seed=seed,
+               progress=progress)
+    return [_label([r], specs[i % len(specs)], length, budget)[0] for i, r in enumerate(rows)]  # task-major
+
+
+def _cell(model, tok, tasks, k, specs: list[str], length: int, budget: float, seed: int, progress: bool):
+    """Rows of every spec at one budget in one run of the runner (one prefill per example); if one refuses the
+    budget, each spec in a run of its own, the refusing ones recorded as refusals."""
+    try:
+        return _run(model, tok, tasks, k, specs, length, budget, seed, progress)
+    except kvsum.KVSumError as err:
+        if len(specs) == 1:
+            return _refusal(specs[0], tasks, length, budget, err)
+    out = []
+    for s in specs:
+        try:
+            out += _run(model, tok, tasks, k, [s], length, budget, seed, progress)
+        except kvsum.KVSumError as err:
+            out += _refusal(s, tasks, length, budget, err)
+    return out
+
+
+def measure(model, tok, specs, budgets, lengths, n: int, n_lm: int, seed: int = 0,
+            progress: bool = False) -> list[dict]:
+    """Rows for the full cache and every spec at every budget and length; each row is the runner's (score,
+    full_score, kl, ratio, bytes, n, chosen) plus `config` (the spec string), or a refusal (`refused`: the error's
+    first line). A spec's own budgets after `@` limit it to those."""
+    for s in specs:  # a bad name or knob fails here, not as a refusal
+        make_method(*parse_row(s)[:1], **parse_row(s)[1])
+    rows = []
+    for length in lengths:
+        for tasks, k in _groups(n, n_lm):
+            rows += _label(run(model, tok, tasks, ["full"], [1.0], [length], k, seed=seed, progress=progress),
+                           "full", length, 1.0)
+            for b in budgets:
+                here = [s for s in specs if parse_row(s)[2] is None or b in parse_row(s)[2]]
+                if here:
+                    rows += _cell(model, tok, tasks, k, here, length, b, seed, progress)
+    return rows
+
+
+def _fmt(x: float | None, digits: int = 0) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def cell(rows: list[dict]) -> str:
+    """One table cell from a configuration's rows at one length and budget: "passkey / multikey (full) · KL",
+    bytes held over the full 16-bit cache, the examples; "refuses" where it refused."""
+    if not rows:
+        return ""
+    if any("refused" in r for r in rows):
+        return "refuses"
+    by = {r["task"]: r for r in rows}
+    ret = [by.get(t) for t in RETRIEVAL]
+    text = " / ".join(_fmt(r and r["score"]) for r in ret) + " (" + " / ".join(
+        _fmt(r and r["full_score"]) for r in ret) + ")"
+    if LM in by:
+        text += f" · KL {by[LM]['kl']:.4f}"
+    ratio = next(r["ratio"] for r in rows)
+    ns = "/".join(str(r["n"]) for r in [*ret, by.get(LM)] if r)
+    return f"{text} · {ratio:.3f}× bytes, n = {ns}"
+
+
+def table(rows: list[dict], length: int, specs: list[str], budgets: list[float]) -> list[str]:
+    """Markdown for one length: one line per configuration (full first), one column per budget, then a line
+    naming what a spec configured by budget (`summary` with no knobs) became at each budget."""
+    here = [r for r in rows if r["length"] == length]
+    full = cell([r for r in here if r["config"] == "full"])
+    lines = [f"| configuration | {' | '.join(f'{b:g}' for b in budgets)} |", "|---" * (len(budgets) + 1) + "|",
+             f"| `full` | {' | '.join(full for _ in budgets)} |"]
+    notes = []
+    for s in specs:
+        mine = [r for r in here if r["config"] == s]
+        lines.append(f"| `{s}` | " + " | ".join(cell([r for r in mine if r["budget"] == b]) for b in budgets) + " |")
+        became = [(b, sorted({c for r in mine if r["budget"] == b for c in r.get("chosen", [])})) for b in budgets]
+        if any(c for _, c in became):
+            notes.append(f"`{s}` became: " + "; ".join(f"{b:g}: {', '.join(f'`{c}`' for c in cs)}"
+                                                         for b, cs in became if cs) + ".")
+    return lines + ([""] + notes if notes else [])
+
+
+def render(rows: list[dict], info: dict, cmd: str, specs: list[str], budgets: list[float]) -> str:
+    """The markdown page: command and meta on top, then a table per length."""
+    lines = ["# Frontier: bytes held against retrieval and lm KL", "", f"`{cmd}`", "", info_line(info), "",
+             "Cells: passkey / multikey accuracy % (the full cache's) · lm KL(full || compressed) nats · bytes held "
+             "over the full 16-bit cache (the full cache in float32 holds 2×), n = examples per task; \"refuses\": "
+             "the budget is below what the configuration can hold.", ""]
+    for length in sorted({r["length"] for r in rows}):
+        lines += [f"## {length} tokens", "", *table(rows, length, specs, budgets), ""]
+    return "\n".join(lines)
+
+
+def write(rows: list[dict], info: dict, out: str, specs: list[str], budgets: list[float]) -> tuple[Path, Path]:
+    """<out>.json (meta, rows, command) and <out>.md."""
+    stem = Path(out)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command()
+    js, md = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+    js.write_text(json.dumps({"meta": info, "rows": rows, "command": cmd}, indent=1, default=str) + "\n")
+    md.write_text(render(rows, info, cmd, specs, budgets))
+    return js, md
+
+
+def parser():
+    """The command line: --model, --threads, --out, --length (several), --n, --n-lm, --budgets, --methods, --seed."""
+    ap = arguments(__doc__, "frontier/frontier", threads=1)
+    ap.add_argument("--length", "--lengths", dest="lengths", type=int, nargs="+", default=[2048])
+    ap.add_argument("--n", type=int, default=20, help="passkey and multikey examples each")
+    ap.add_argument("--n-lm", type=int, default=8, help="lm examples")
+    ap.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), help="spec strings (name:knob=value,...)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = kvsum.load_model(args.model)
+    t0 = time.perf_counter()
+    rows = measure(model, tok, args.methods, args.budgets, args.lengths, args.n, args.n_lm, args.seed, progress=True)
+    info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1))
+    js, md = write(rows, info, args.out, args.methods, args.budgets)
+    print(md.read_text())
+    print(f"wrote {js} and {md}")
+
+
+if __name__ == "__main__":
+    main()
