@@ -129,7 +129,7 @@ def test_the_policy_falls_back_where_the_flagship_cannot_run(tiny):
     ids = random_ids(300, 3)
     p = kvsum.Policy(memory=0.1)
     cache = kvsum.compress(tiny, ids, policy=p)  # no tokenizer: no sentences
-    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", {})
+    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", {"center": True})
     assert "no tokenizer" in cache.decision.reason and cache.ratio() <= 0.1 + 0.02
     cache = kvsum.compress(tiny, ids, policy=kvsum.Policy(memory=0.26, latency="memory", mid_min_budget=0.3))
     assert "does not fit this prompt" in cache.decision.reason  # tiny head dims: the cover needs 0.3 here

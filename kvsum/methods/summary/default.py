@@ -8,7 +8,11 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      approximately present, where a selection at a quarter of the bytes loses retrieval;
   2. below, where 3.5-bit codes of every token no longer fit: summary's selection stored as TurboQuant codes
      (`summary+turboquant`), anchors chosen as whole sentences ranked by surprisal (a fact is a sentence, not
-     its sharpest token) and key bits shifted from diffuse to sharp layers (key_shift=1);
+     its sharpest token), key bits shifted from diffuse to sharp layers (key_shift=1) and keys centered per head
+     before coding (center=True: a code spent on a head's constant key offset is lost to what differs, and
+     Qwen's large key biases garble uncentered answers);
+     below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser: at 0.05 of the bytes that pays,
+     at 0.1 the 3-bit default does);
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
 dim: the cover's fixed costs), and summary's own defaults come last.
@@ -21,27 +25,30 @@ from ..base import Choice
 from ..registry import make_method
 
 COVER_FROM = 0.25
+TWO_BITS_BELOW = 0.075  # between the budgets measured (0.1: 3 bits better; 0.05: 2 bits)
 COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
-SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1},
-             "summary's selection as TurboQuant codes, anchors as whole sentences")
-CODES = ("summary+turboquant", {}, "summary's selection as TurboQuant codes")
+SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True},
+             "summary's selection as centered TurboQuant codes, anchors as whole sentences")
+CODES = ("summary+turboquant", {"center": True}, "summary's selection as centered TurboQuant codes")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 
 
 def rows(budget: float, sentences: bool) -> list[tuple[str, dict, str]]:
     """(method, knobs, why) in the rule's order at `budget` (`sentences`: the prefill marks sentence ends)."""
     top = [COVER] if budget >= COVER_FROM else []
-    mid = [SENTENCES] if sentences else []
-    return [*top, *mid, CODES, PLAIN]
+    codes = [SENTENCES] if sentences else []
+    codes.append(CODES)
+    if budget < TWO_BITS_BELOW:
+        codes = [(name, {**knobs, "bits": 2}, why + ", 2-bit") for name, knobs, why in codes]
+    return [*top, *codes, PLAIN]
 
 
 def choices(budget: float, sentences: bool) -> list[Choice]:
     """The rule's configurations at `budget`, built, best first (kvsum.compress takes the first that fits)."""
     where = f"summary configured by budget ({budget:g} {'>=' if budget >= COVER_FROM else '<'} {COVER_FROM})"
     out = []
-    for row in rows(budget, sentences):
-        name, knobs, why = row
-        why += " (no tokenizer to find sentences)" if row is CODES and not sentences else ""
+    for name, knobs, why in rows(budget, sentences):
+        why += " (no tokenizer to find sentences)" if not sentences and name == CODES[0] else ""
         out.append(Choice(make_method(name, **knobs), name, dict(knobs), f"{where}: {why}"))
     return out

@@ -20,11 +20,13 @@ def test_the_rule_orders_its_configurations_by_budget():
     top = [(c.name, c.knobs) for c in default.choices(0.25, sentences=True)]
     assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True}),
                                   "score": "surprisal"})
-    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1})
+    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True})
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
-    assert low == [("summary+turboquant", {}), ("summary", {"by_budget": False})]  # no cover, no sentences
-    for c in default.choices(0.05, sentences=True):  # every configuration the rule builds stands for itself
+    assert low == [("summary+turboquant", {"center": True}), ("summary", {"by_budget": False})]  # no cover, sentences
+    two = default.choices(0.05, sentences=True)  # below TWO_BITS_BELOW the codes are 2-bit
+    assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
+    for c in two:  # every configuration the rule builds stands for itself
         assert c.method.choices(0.05, 100, True)[0].method is c.method
 
 
