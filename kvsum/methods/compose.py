@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from ..errors import KVSumError
-from ..state import EntryState, tensor_bytes
+from ..state import ConcatState, EntryState, tensor_bytes
 from .base import LayerInput, Method, Plan
 from .quant.stream import QuantStream
 from .quantizer import KeyShiftPlan, Quantizer
 from .refusal import budget_hint, least_budget
+from .sinks import split_sinks
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,11 @@ class Composed(Method):
             if not isinstance(kept, EntryState):
                 raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
                                  "entries can be quantized (for summary: lowrank_share=0)")
+            exact, kept = split_sinks(kept, x.keys, x.values, getattr(self.first, "sinks", 0))
             state = self.quantize(kept, x, quant, shift, note)
+            if exact is not None:
+                state = ConcatState([exact, state])
+                state.note = note
             ragged = ragged or not kept.uniform  # count the head index from now on (see _quant_nbytes)
             if bias and kept.bias is None:
                 bias, target = False, self._target(x, False, ragged, quant, shift)
@@ -274,6 +279,7 @@ class Composed(Method):
         return ComposedState(inner, lengths, bias, kept.head_of, quant, shift, x.storage, note)
 
     def stream(self, layer_idx: int, state) -> QuantStream | None:
+        state = state.parts[-1] if isinstance(state, ConcatState) else state  # exact sinks, then the codes
         if not isinstance(state, ComposedState):
             return None
         return QuantStream(self.quant.group, self.quant.residual,

@@ -88,3 +88,23 @@ def test_key_shift_in_a_composition_moves_key_bits_between_layers_in_the_same_by
     assert abs(on.nbytes() - off.nbytes()) <= 0.02 * off.reference_nbytes
     for a, b in zip(on.layers, off.layers):  # each layer's bytes follow its entries' cost: about as many entries
         assert abs(a.state.lengths()[0] - b.state.lengths()[0]) <= 0.1 * b.state.lengths()[0]
+
+
+def test_the_sinks_summary_keeps_stay_exact_beside_the_codes():
+    """summary+turboquant stores summary's sinks (the first prompt tokens) at the storage dtype, outside the codes;
+    snapkv (no sinks knob) has everything coded."""
+    from kvsum.methods.compose import ComposedState
+    from kvsum.state import ConcatState
+    model, ids = tiny_llama(), torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
+    pre = kvsum.prefill(model, ids, surprisal=True)
+    keys = pre.cache.layers[0].keys[0].clone()
+    cache = kvsum.compress_prefill(pre, make_method("summary+turboquant", summary_sinks=3), 0.125)
+    state = cache.layers[0].state
+    assert isinstance(state, ConcatState) and isinstance(state.parts[-1], ComposedState)
+    exact = state.parts[0]
+    assert exact.lengths() == [3] * keys.shape[0]
+    assert torch.equal(exact.keys.view(keys.shape[0], 3, -1), keys[:, :3].half())
+    assert cache.nbytes() <= 0.125 * cache.reference_nbytes * 1.01
+    assert cache.layers[0].stream is not None  # decoded tokens are still coded
+    plain = kvsum.compress(model, ids, method="snapkv+turboquant", budget=0.125)
+    assert isinstance(plain.layers[0].state, ComposedState)
