@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BUDGETS = (0.5, 0.25, 0.125, 0.0625)
+BUDGETS = (0.5, 0.25, 0.125, 0.1, 0.05)
 LENGTH = 2048  # retrieval context
 TASKS = ("passkey", "multikey")
 FAMILIES = {  # method name -> family (compositions: any name with "+")
@@ -45,9 +45,17 @@ def rows_of(root: Path) -> list[dict]:
             continue
         for r in data.get("rows") or []:
             if isinstance(r, dict) and r.get("task") in (*TASKS, "lm") and "ratio" in r and r.get("n"):
-                if r["task"] == "lm" or r.get("score") is not None:
-                    out.append({**r, "source": str(path.relative_to(root))})
+                if r.get("refused") is None and (r["task"] == "lm" or r.get("score") is not None):
+                    out.append({**r, "knobs": _knobs(r), "source": str(path.relative_to(root))})
     return out
+
+
+def _knobs(r: dict) -> dict:
+    """A row's knobs; a bare `summary` that records no choice predates summary by budget: its own defaults."""
+    knobs = dict(r.get("knobs") or {})
+    if r["method"] == "summary" and not knobs and not r.get("chosen"):
+        knobs["by_budget"] = False
+    return knobs
 
 
 def _key(r: dict) -> tuple:
@@ -108,6 +116,7 @@ def frontier(rows: list[dict]) -> list[dict]:
             *_, method, budget, cell = max(cands, key=lambda c: c[:4])
             knobs = {k: v for k, v in cell[TASKS[0]]["knobs"].items() if k != "artifact"}
             table.append(dict(family=fam, method=method, knobs=knobs, budget=b, own_budget=budget,
+                              chosen=cell[TASKS[0]].get("chosen"),
                               **{t: _cell(cell.get(t), t) for t in (*TASKS, "lm")}))
     return table
 
@@ -118,10 +127,7 @@ COVER_KNOBS = {"cover_bits": "bits", "cover_center": "center", "cover_basis": "k
 
 def spec_of(method: str, knobs: dict) -> str:
     """The configuration as a spec string a user can run today: summary's old cover knobs (committed rows
-    predate `cover=`) written as the quantizer they configured, and a bare `summary` (committed rows predate
-    summary configured by budget: they are summary's own defaults) as `summary:by_budget=False`."""
-    if method == "summary" and not knobs:
-        return "summary:by_budget=False"
+    predate `cover=`) written as the quantizer they configured."""
     cover = {COVER_KNOBS[k]: v for k, v in knobs.items() if k in COVER_KNOBS}
     rest = [f"{k}={v}" for k, v in knobs.items() if k not in COVER_KNOBS]
     if cover:
@@ -192,7 +198,8 @@ def _md(table: list[dict]) -> str:
                                           + ([r["long"]["source"]] if r.get("long") else [])))
         kl = "-" if lm is None else f"{lm['value']:.4f} (n = {lm['n']})"
         budget = "1" if r["method"] == "full" else f"{r['budget']:g}"
-        lines.append(f"| {r['family']} | {budget} | `{spec(r)}` | {ratio:.3f} | {ret(r['passkey'])} | "
+        became = f" (by budget: {' / '.join(f'`{c}`' for c in r['chosen'])})" if r.get("chosen") else ""
+        lines.append(f"| {r['family']} | {budget} | `{spec(r)}`{became} | {ratio:.3f} | {ret(r['passkey'])} | "
                      f"{ret(r['multikey'])} | {kl} | {_long(r)} | {sources} |")
     return "\n".join(lines) + "\n"
 

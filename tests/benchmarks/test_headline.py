@@ -27,3 +27,26 @@ def test_long_column_matches_spec_and_budget_bucket(tmp_path):
     assert _long(table[0]) == "16k: 100, n = 4; 32k: 100, n = 4"
     assert _long(table[1]) == "16k: 75 (100), n = 4 (at 0.1)"
     assert _long(table[2]) == "-" and _long(table[3]) == "-"  # 0.25 is not in (0.0625, 0.125]; no such row
+
+
+def test_summary_by_budget_rows_are_the_flagship_and_bare_old_rows_its_own_defaults(tmp_path):
+    """A `summary` row that records what it became (`chosen`) is the flagship; a bare one without (committed before
+    summary was configured by budget) is summary's own defaults; refusals never enter the table."""
+    from benchmarks.headline import _md, frontier, rows_of
+
+    def row(task, method, knobs, score, chosen=None, **extra):
+        r = dict(task=task, length=2048, method=method, knobs=knobs, budget=0.1, n=20, score=score, full_score=100.0,
+                 kl=0.05, ratio=0.1, **extra)
+        return {**r, "chosen": chosen} if chosen else r
+
+    became = ["summary+turboquant:center=True"]
+    rows = [row(t, "summary", {}, 90.0, became) for t in ("passkey", "multikey", "lm")]
+    rows += [row(t, "summary", {}, 10.0) for t in ("passkey", "multikey", "lm")]
+    rows += [row(t, "turboquant", {}, 0.0, refused="does not fit") for t in ("passkey", "multikey")]
+    (tmp_path / "r.json").write_text(json.dumps({"meta": {"model": "smollm2"}, "rows": rows}))
+    got = rows_of(tmp_path)
+    assert {json.dumps(r["knobs"]) for r in got} == {"{}", '{"by_budget": false}'} and len(got) == 6
+    table = frontier(got)
+    best = next(r for r in table if r["family"] == "summary")
+    assert best["knobs"] == {} and best["chosen"] == became  # the flagship wins its budget
+    assert "`summary` (by budget: `summary+turboquant:center=True`)" in _md(table)
