@@ -98,7 +98,7 @@ class Niah(Ruler):
     values: int = 1
     asked: int = 1
     kinds: tuple[str, ...] = ()
-    max_new_tokens: ClassVar[int] = 32
+    max_new_tokens: ClassVar[int] = 48  # a uuid takes ~30 tokens on Qwen's tokenizer: 32 cut one off at 32k
 
     def _kind(self, seed: int) -> str:
         kinds = self.kinds or (("number",) if self.values > 1 or self.asked > 1
