@@ -30,6 +30,11 @@ class Decision:
     knobs: dict
     reason: str
 
+    @property
+    def spec(self) -> str:
+        """The configuration picked, as a spec string ("summary+turboquant:center=True")."""
+        return format_spec(Spec(self.method, self.knobs))
+
 
 def _copy_layer(src, dst) -> None:
     """dst holds a copy of src's uncompressed keys and values (and its sliding-window position)."""

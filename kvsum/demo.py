@@ -87,7 +87,7 @@ def run_demo(model, tok, method: str | Spec | None = None, budget: float = 0.25,
                 bar.advance()
             answers.append(row)
     made = getattr(caches["compressed"], "decision", None)  # summary configured by budget: what it became
-    chosen = made and format_spec(Spec(made.method, made.knobs))
+    chosen = made and made.spec
     return dict(method=format_spec(spec), chosen=chosen, tokens=ctx.shape[1], full16_bytes=pre.cache.reference_nbytes,
                 full_bytes=held["full"], bytes=held["compressed"], prefill_s=prefill_s, compress_s=compress_s,
                 answers=answers, full_answer_s=times["full"], answer_s=times["compressed"])

@@ -187,12 +187,11 @@ def generate(model, tokenizer, context, question: str = "", policy: Policy | Non
         cache = None
         if return_cache:
             cache = gen["past_key_values"] = DynamicCache()
+            cache.decision = d
         out = model.generate(ids, **gen)
-    else:
+    else:  # its decision is policy.compress's: what summary by budget became, too
         cache = policy.compress(model, ctx, tokenizer=tokenizer)
         out = model.generate(ids, past_key_values=cache, **gen)
-    if cache is not None:
-        cache.decision = d
     text = tokenizer.decode(out[0, ids.shape[-1]:], skip_special_tokens=True)
     return (text, cache) if return_cache else text
 
@@ -204,13 +203,8 @@ def _many(model, tokenizer, ctx, questions, policy, cache, gen, return_cache, si
     qs = [tokenizer(q, return_tensors="pt", add_special_tokens=False).input_ids.to(ctx.device) for q in questions]
     if any(q.shape[-1] == 0 for q in qs):
         raise KVSumError("every question needs at least one token (the cache holds the whole context)")
-    if cache is None:
-        d = policy.choose(ctx.shape[-1], model)
-        if d.method == "full":
-            cache = compress(model, ctx, method="full")
-            cache.decision = d
-        else:
-            cache = policy.compress(model, ctx, tokenizer=tokenizer)
+    if cache is None:  # the full cache too: policy.compress prefills it once
+        cache = policy.compress(model, ctx, tokenizer=tokenizer)
     elif cache.get_seq_length() != ctx.shape[-1]:
         raise KVSumError(f"the cache given holds {cache.get_seq_length()} tokens; the context has {ctx.shape[-1]} "
                          "(pass the cache of this context, before any question was read on it)")

@@ -134,3 +134,12 @@ def test_the_policy_falls_back_where_the_flagship_cannot_run(tiny):
     cache = kvsum.compress(tiny, ids, policy=kvsum.Policy(memory=0.26, latency="memory", mid_min_budget=0.3))
     assert "does not fit this prompt" in cache.decision.reason  # tiny head dims: the cover needs 0.3 here
     assert cache.decision.method == "summary+turboquant"
+
+
+def test_generate_keeps_what_summary_by_budget_became():
+    """generate's cache.decision is the compressed cache's: the configuration summary became, not bare summary."""
+    model, tok, ctx = tiny_llama(), CharTokenizer(), random_ids(300, 3)
+    _, cache = kvsum.generate(model, tok, ctx, "Where?", policy=kvsum.Policy(memory=0.1), max_new_tokens=2,
+                              return_cache=True)
+    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", {"center": True})
+    assert cache.decision.spec == "summary+turboquant:center=True" and "configured by budget" in cache.decision.reason

@@ -18,7 +18,6 @@ from ..errors import KVSumError
 from ..extras import progress as progress_bar
 from ..methods import Method, make_method, prefill_needs
 from ..prefill import prefill
-from ..spec import Spec, format_spec
 from .metrics import fidelity, summarize_fidelity
 from .report import write  # noqa: F401  (re-exported: run, then write)
 from .tasks import Example, Task, get_task
@@ -119,7 +118,7 @@ def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, n
                global_full_bytes=cache.budget_reference_nbytes)  # global_*: the layers the budget governs
     made = getattr(cache, "decision", None)  # summary configured by budget: what it became on this example
     if made is not None:
-        rec["chosen"] = format_spec(Spec(made.method, made.knobs))
+        rec["chosen"] = made.spec
     if t.kind == "lm":
         ref_logits, targets = ref
         rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
