@@ -30,63 +30,39 @@ RETRIEVAL = ("passkey", "multikey")
 LM = "lm"
 
 
-def _label(rows: list[dict], config: str, length: int, budget: float) -> list[dict]:
-    for r in rows:
-        r.update(config=config, length=length, budget=budget)
-    return rows
-
-
 def _groups(n: int, n_lm: int) -> list[tuple[list[str], int]]:
     """(tasks, examples) per call of the runner: retrieval at n, lm at n_lm (a count of 0 skips its tasks)."""
     return [(ts, k) for ts, k in ((list(RETRIEVAL), n), ([LM], n_lm)) if k > 0]
 
 
-def _refusal(config: str, tasks: list[str], length: int, budget: float, err: Exception) -> list[dict]:
-    name, knobs, _ = parse_row(config)
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return [dict(task=t, length=length, config=config, method=name, knobs=knobs, budget=budget, refused=msg)
-            for t in tasks]
-
-
-def _run(model, tok, tasks, k, specs: list[str], length: int, budget: float, seed: int, progress: bool):
-    rows = run(model, tok, tasks, [parse_row(s)[:2] for s in specs], [budget], [length], k, seed=seed,
-               progress=progress)
-    return [_label([r], specs[i % len(specs)], length, budget)[0] for i, r in enumerate(rows)]  # task-major
-
-
-def _cell(model, tok, tasks, k, specs: list[str], length: int, budget: float, seed: int, progress: bool):
-    """Rows of every spec at one budget in one run of the runner (one prefill per example); if one refuses the
-    budget, each spec in a run of its own, the refusing ones recorded as refusals."""
-    try:
-        return _run(model, tok, tasks, k, specs, length, budget, seed, progress)
-    except kvsum.KVSumError as err:
-        if len(specs) == 1:
-            return _refusal(specs[0], tasks, length, budget, err)
-    out = []
+def _configs(specs: list[str], budgets: list[float]) -> tuple[list, list[str]]:
+    """(the runner's configurations: the full cache, then each spec at each of its budgets; the spec string of
+    each row the runner returns per task and length, in its order). A spec's own budgets after `@` limit it."""
+    methods, labels = ["full"], ["full"]
     for s in specs:
-        try:
-            out += _run(model, tok, tasks, k, [s], length, budget, seed, progress)
-        except kvsum.KVSumError as err:
-            out += _refusal(s, tasks, length, budget, err)
-    return out
+        name, knobs, own = parse_row(s)
+        mine = [b for b in budgets if own is None or b in own]
+        if mine:
+            methods.append((name, knobs, mine))
+            labels += [s] * len(mine)
+    return methods, labels
 
 
 def measure(model, tok, specs, budgets, lengths, n: int, n_lm: int, seed: int = 0,
             progress: bool = False) -> list[dict]:
     """Rows for the full cache and every spec at every budget and length; each row is the runner's (score,
     full_score, kl, ratio, bytes, n, chosen) plus `config` (the spec string), or a refusal (`refused`: the error's
-    first line). A spec's own budgets after `@` limit it to those."""
+    first line). Each example is prefilled once for every configuration."""
     for s in specs:  # a bad name or knob fails here, not as a refusal
-        make_method(*parse_row(s)[:1], **parse_row(s)[1])
+        make_method(parse_row(s)[0], **parse_row(s)[1])
+    methods, labels = _configs(specs, budgets)
     rows = []
     for length in lengths:
         for tasks, k in _groups(n, n_lm):
-            rows += _label(run(model, tok, tasks, ["full"], [1.0], [length], k, seed=seed, progress=progress),
-                           "full", length, 1.0)
-            for b in budgets:
-                here = [s for s in specs if parse_row(s)[2] is None or b in parse_row(s)[2]]
-                if here:
-                    rows += _cell(model, tok, tasks, k, here, length, b, seed, progress)
+            got = run(model, tok, tasks, methods, budgets, [length], k, seed=seed, progress=progress, refusals=True)
+            for i, r in enumerate(got):  # task-major, then the configurations in order
+                r.update(config=labels[i % len(labels)], length=length)
+            rows += got
     return rows
 
 

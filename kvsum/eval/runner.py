@@ -68,12 +68,16 @@ def forced_logits(model, ex: Example, cache) -> torch.Tensor:
 
 
 def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequence[MethodSpec],
-        budgets: Sequence[float], lengths: Sequence[int], n: int, seed: int = 0, progress: bool = True) -> list[dict]:
+        budgets: Sequence[float], lengths: Sequence[int], n: int, seed: int = 0, progress: bool = True,
+        refusals: bool = False) -> list[dict]:
     """One row per task x length x method x budget, aggregated over `n` examples.
 
     `methods`: names or built methods, (name, knobs) pairs or (name, knobs, budgets) triples; "full" gets one row
     at budget 1.0.
     Retrieval rows score accuracy in %, lm rows the KL(full || compressed) in nats (plus top1 %, ppl_ratio).
+    `refusals`: a configuration that raises KVSumError (a budget below what it can hold) is dropped from the
+    task and length and its row says why (`refused`: the error's first line) instead of ending the run (a sweep
+    over budgets keeps its one prefill per example).
     """
     tasks = [get_task(task)] if isinstance(task, str | Task) else [get_task(t) for t in task]
     if n < 1 or not lengths:
@@ -85,10 +89,12 @@ def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequ
             for length in lengths:
                 bar.update(f"{t.name} @ {length} tokens")
                 per = [[] for _ in configs]  # per config: one record per example
+                refused: dict[int, str] | None = {} if refusals else None
                 for ex in t.examples(tokenizer, length, n, seed):
-                    _one_example(model, tokenizer, t, ex, configs, per)
+                    _one_example(model, tokenizer, t, ex, configs, per, refused)
                     bar.advance()
-                rows += [_row(t, length, cfg, recs) for cfg, recs in zip(configs, per)]
+                rows += [_refused_row(t, length, cfg, refused[i]) if refused and i in refused else
+                         _row(t, length, cfg, recs) for i, (cfg, recs) in enumerate(zip(configs, per))]
     return rows
 
 
@@ -129,10 +135,23 @@ def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, n
     return rec
 
 
-def _one_example(model, tokenizer, t: Task, ex: Example, configs, per) -> None:
+def _one_example(model, tokenizer, t: Task, ex: Example, configs, per, refused: dict[int, str] | None) -> None:
+    """Every configuration on one example; with `refused` (config index -> why), a refusal is recorded there."""
     pre, prefill_s, ref = prefill_example(model, tokenizer, t, ex, configs)
-    for (name, knobs, budget), recs in zip(configs, per):
-        recs.append(record(model, tokenizer, t, ex, pre, prefill_s, ref, name, knobs, budget))
+    for i, ((name, knobs, budget), recs) in enumerate(zip(configs, per)):
+        if refused is not None and i in refused:
+            continue
+        try:
+            recs.append(record(model, tokenizer, t, ex, pre, prefill_s, ref, name, knobs, budget))
+        except KVSumError as err:
+            if refused is None:
+                raise
+            refused[i] = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _refused_row(t: Task, length: int, cfg, why: str) -> dict:
+    name, knobs = _label(*cfg[:2])
+    return dict(task=t.name, length=length, method=name, knobs=knobs, budget=cfg[2], refused=why)
 
 
 def _mean(recs: list[dict], key: str) -> float:

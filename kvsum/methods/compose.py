@@ -217,11 +217,17 @@ class Composed(Method):
         return inner + (2 * bias + index) * x.H * n
 
     def _target(self, x: LayerInput, bias: bool, ragged: bool, quant: Quantizer, shift: int) -> int:
-        """The first method's budget: the 16-bit bytes of the most entries per head whose quantized bytes fit."""
+        """The first method's budget: the 16-bit bytes of the most entries per head whose bytes fit, its sinks exact
+        (see split_sinks) and the rest quantized, so the first method runs once per layer, not again to shrink."""
+        s = min(getattr(self.first, "sinks", 0), x.T)
+        exact = s * x.H * x.entry_bytes()
         lo, hi = 0, x.T
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            fits = self._quant_nbytes(x, mid, bias, ragged, quant, shift) <= x.budget_bytes
+            if mid <= s:
+                fits = mid * x.H * x.entry_bytes() <= x.budget_bytes
+            else:
+                fits = exact + self._quant_nbytes(x, mid - s, bias, ragged, quant, shift) <= x.budget_bytes
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         if lo == 0:
             full = 2 * x.H * x.T * x.d * 2

@@ -90,7 +90,7 @@ def test_key_shift_in_a_composition_moves_key_bits_between_layers_in_the_same_by
         assert abs(a.state.lengths()[0] - b.state.lengths()[0]) <= 0.1 * b.state.lengths()[0]
 
 
-def test_the_sinks_summary_keeps_stay_exact_beside_the_codes():
+def test_the_sinks_summary_keeps_stay_exact_beside_the_codes(monkeypatch):
     """summary+turboquant stores summary's sinks (the first prompt tokens) at the storage dtype, outside the codes;
     snapkv (no sinks knob) has everything coded."""
     from kvsum.methods.compose import ComposedState
@@ -98,7 +98,13 @@ def test_the_sinks_summary_keeps_stay_exact_beside_the_codes():
     model, ids = tiny_llama(), torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
     pre = kvsum.prefill(model, ids, surprisal=True)
     keys = pre.cache.layers[0].keys[0].clone()
-    cache = kvsum.compress_prefill(pre, make_method("summary+turboquant", summary_sinks=3), 0.125)
+    method, calls = make_method("summary+turboquant", summary_sinks=3), []
+    first = type(method.first).compress
+    monkeypatch.setattr(type(method.first), "compress", lambda self, x, plan=None: calls.append(1) or first(self, x,
+                                                                                                            plan))
+    cache = kvsum.compress_prefill(pre, method, 0.125)
+    n_layers = len(cache.layers)
+    assert len(calls) <= n_layers + 1  # the sinks' exact bytes are in the first method's target: no second pass
     state = cache.layers[0].state
     assert isinstance(state, ConcatState) and isinstance(state.parts[-1], ComposedState)
     exact = state.parts[0]
