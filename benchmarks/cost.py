@@ -33,6 +33,11 @@ from .common import info_line, paired_decode, paired_medians, parse_method, run_
 from .experiments import RESULTS
 
 
+def _name(row: dict) -> str:
+    """The method as written, and what it became where it chose its configuration by budget."""
+    return row["method"] + (f" (became `{row['chosen']}`)" if row.get("chosen") else "")
+
+
 def spec(text: str):
     """A method given as `name` or `name:knob=value,knob=value` (values as Python literals, else strings)."""
     name, knobs = parse_method(text)
@@ -93,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
         extra = sum(extra_s[k] for k in prefill_needs([m]))
         ratio = cache.nbytes() / cache.reference_nbytes  # right after compression, before decoding grows it
         caches.append(cache)
-        rows.append(dict(method=name, budget=args.budget, length=args.length, ratio=ratio,
+        made = getattr(cache, "decision", None)  # summary configured by budget: what it became
+        rows.append(dict(method=name, chosen=made.spec if made else None, budget=args.budget, length=args.length,
+                         ratio=ratio,
                          compress_s=t_compress, capture_s=extra, prefill_s=plain,
                          compress_over_prefill=(t_compress + extra) / plain))
     forward = torch.no_grad()(lambda: model(ctx))  # as generate() runs it: no autograd graph
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
              "| method | bytes ratio | compress s | capture s | (compress + capture) / prefill | kvsum.compress s | "
              "model(ids) s | user's cost: (compress - forward) / forward | decode step ms | decode / full |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['ratio']:.3f} | {r['compress_s']:.2f} | {r['capture_s']:.2f} | "
+    lines += [f"| {_name(r)} | {r['ratio']:.3f} | {r['compress_s']:.2f} | {r['capture_s']:.2f} | "
               f"{r['compress_over_prefill']:.3f} | {r['user_compress_s']:.2f} | {r['forward_s']:.2f} | "
               f"{r['user_over_forward']:.3f} | {r['decode_step_s'] * 1000:.1f} | {r['decode_over_full']:.3f} |"
               for r in rows]

@@ -64,6 +64,10 @@ EXPERIMENTS = [
                "alternated, beside the breakdown; one thread (robust on a shared machine)",
                methods=(PLAIN, spec("summary", score="surprisal", cover=tq(bits=3.5, center=True)), "snapkv",
                         "turboquant"), threads=1, args=("--length", "4096", "--budget", "0.25")),
+    *[Experiment(f"cost_flagship_{k}k", "perf", "cost", f"what a user pays for the flagship at 0.1 of the bytes "
+                 f"({k}k tokens): summary by budget (the sentence composition) beside snapkv; one thread",
+                 methods=("summary", "snapkv"), threads=1, args=("--length", str(1024 * k), "--budget", "0.1"))
+      for k in (4, 8)],
     *[Experiment(f"eval_{task}", "policy", "kvsum", f"the policy's summary by budget at 0.1 against plain summary "
                  f"({task}, 2k)", part="eval", out="dir",
                  args=("--method", f"full,{PLAIN},summary+turboquant:score=sentence,key_shift=1", "--budget", "0.1",
