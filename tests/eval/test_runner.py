@@ -47,3 +47,15 @@ def test_rows_say_what_summary_by_budget_became():
     chosen = "summary+turboquant:center=True"  # the tiny tokenizer finds no sentences
     assert auto["chosen"] == [chosen] and auto["examples"][0]["chosen"] == chosen
     assert "chosen" not in plain and _chosen(auto) == "by budget: " + chosen
+
+
+def test_a_refusal_ends_the_run_unless_recorded():
+    """turboquant's codes do not fit 0.03 of the bytes: the run raises, or with refusals=True records it on its
+    row and still scores the configurations that fit (the same prefills)."""
+    model, tok, methods = tiny_llama(), CharTokenizer(), ["full", "turboquant", "streaming_llm"]
+    with pytest.raises(KVSumError, match="turboquant"):
+        run(model, tok, "passkey", methods, [0.03], [300], n=1, progress=False)
+    full, tq, sl = run(model, tok, "passkey", methods, [0.03], [300], n=2, progress=False, refusals=True)
+    assert tq["refused"] and "turboquant" in tq["refused"] and "\n" not in tq["refused"] and "score" not in tq
+    assert (tq["method"], tq["budget"], tq["length"]) == ("turboquant", 0.03, 300)
+    assert full["n"] == sl["n"] == 2 and sl["ratio"] <= 0.03 + 0.02
