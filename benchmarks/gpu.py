@@ -23,7 +23,7 @@ import time
 
 import torch
 
-METHODS = ("summary:cover=turboquant(bits=3.5,center=True),score=surprisal@0.25", "turboquant:bits=3.5@0.3",
+METHODS = ("summary@0.25", "summary@0.1", "turboquant:bits=3.5@0.3",
            "turboquant:bits=2.5@0.25", "kivi:bits=4@0.5")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
