@@ -6,8 +6,8 @@ from .base import Experiment
 
 EXPERIMENTS = [
     Experiment("gpu", "gpu", "gpu", "decode step against the full cache (SDPA) at 4k-32k, KV memory held, prefill + "
-               "compression time, Qwen2.5-Coder-0.5B in bf16 on a CUDA GPU: the flagship at 0.25 and 0.1, TurboQuant 3.5 / 2.5 "
-               "bits, KIVI 4 bits",
+               "compression time, Qwen2.5-Coder-0.5B in bf16 on a CUDA GPU: the flagship at 0.25 and 0.1, "
+               "TurboQuant 3.5 / 2.5 bits, KIVI 4 bits",
                methods=("summary@0.25", "summary@0.1",
                         "turboquant:bits=3.5@0.3", "turboquant:bits=2.5@0.25", "kivi:bits=4@0.5"),
                lengths=(4096, 8192, 16384, 32768), threads=4,
