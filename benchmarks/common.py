@@ -26,6 +26,23 @@ REPO = Path(__file__).resolve().parent.parent
 CONTEXT = {"experiment": None, "command": None}  # set by `python -m benchmarks run NAME` around each invocation
 
 
+CALIBRATED = ("echokv", "lowrank")  # reconstruction methods: an artifact per model, from `kvsum calibrate`
+
+
+def calibrated(model, tokenizer, method: str = "all") -> Path:
+    """The model's calibration artifact serving `method`, where its methods look for it (kvsum.calibrate
+    .find_artifact); calibrated and saved at the default path on first use, as `kvsum calibrate` does."""
+    from kvsum.calibrate import calibrate, default_artifact_path, find_artifact
+    from kvsum.shape import fingerprint
+
+    fp = fingerprint(model)
+    path = find_artifact(fp, method)
+    if path is None:
+        path = default_artifact_path(fp, method)
+        calibrate(model, tokenizer, method=method).save(path)
+    return path
+
+
 def command() -> str:
     """The exact command line of this run: the runner and its arguments as `python -m benchmarks run` called it,
     else the process's own."""

@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         caches.append(cache)
         made = getattr(cache, "decision", None)  # summary configured by budget: what it became
         rows.append(dict(method=name, chosen=made.spec if made else None, budget=args.budget, length=args.length,
-                         ratio=ratio,
-                         compress_s=t_compress, capture_s=extra, prefill_s=plain,
+                         ratio=ratio, compress_s=t_compress, capture_s=extra, prefill_s=plain,
                          compress_over_prefill=(t_compress + extra) / plain))
     forward = torch.no_grad()(lambda: model(ctx))  # as generate() runs it: no autograd graph
     forward()  # warm-up

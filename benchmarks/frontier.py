@@ -19,30 +19,14 @@ import torch
 
 import kvsum
 from kvsum.eval import run
-from kvsum.methods import make_method
 
-from .common import arguments, command, info_line, run_info
+from .common import CALIBRATED, arguments, calibrated, command, info_line, run_info
 from .specs import parse_row
 
 METHODS = ("summary", "snapkv", "turboquant", "echokv", "snapkv+turboquant:key_shift=1")
 BUDGETS = (0.03, 0.05, 0.1, 0.125, 0.25, 0.5)
 RETRIEVAL = ("passkey", "multikey")
 LM = "lm"
-
-
-CALIBRATED = ("echokv", "lowrank")  # reconstruction: an artifact per model, from `kvsum calibrate`
-
-
-def calibrated(model, tok, specs: list[str]) -> None:
-    """Calibrate each reconstruction method among `specs` at kvsum's default artifact path unless it is there (what
-    `kvsum calibrate --method M` does), so the frontier runs on a fresh machine in one command."""
-    from kvsum.calibrate import calibrate, default_artifact_path
-    from kvsum.shape import fingerprint
-
-    for name in sorted({parse_row(s)[0] for s in specs} & set(CALIBRATED)):
-        path = default_artifact_path(fingerprint(model), name)
-        if not path.exists():
-            calibrate(model, tok, method=name).save(path)
 
 
 def _groups(n: int, n_lm: int) -> list[tuple[list[str], int]]:
@@ -68,9 +52,7 @@ def measure(model, tok, specs, budgets, lengths, n: int, n_lm: int, seed: int = 
     """Rows for the full cache and every spec at every budget and length; each row is the runner's (score,
     full_score, kl, ratio, bytes, n, chosen) plus `config` (the spec string), or a refusal (`refused`: the error's
     first line). Each example is prefilled once for every configuration."""
-    for s in specs:  # a bad name or knob fails here, not as a refusal
-        make_method(parse_row(s)[0], **parse_row(s)[1])
-    methods, labels = _configs(specs, budgets)
+    methods, labels = _configs(specs, budgets)  # the runner fails on a bad name or knob before any prefill
     rows = []
     for length in lengths:
         for tasks, k in _groups(n, n_lm):
@@ -159,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model)
-    calibrated(model, tok, args.methods)
+    for name in sorted({parse_row(s)[0] for s in args.methods} & set(CALIBRATED)):
+        calibrated(model, tok, name)  # a fresh machine runs the frontier in one command
     t0 = time.perf_counter()
     rows = measure(model, tok, args.methods, args.budgets, args.lengths, args.n, args.n_lm, args.seed, progress=True)
     info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1))

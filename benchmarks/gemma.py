@@ -23,22 +23,10 @@ from kvsum.errors import KVSumError
 from kvsum.eval import run
 from kvsum.methods import LayerInput, make_method
 
-from .common import arguments, info_line, parse_method, run_info, start
+from .common import CALIBRATED, arguments, calibrated, info_line, parse_method, run_info, start
 
 METHODS = ["full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi"]
 BUDGETS = [0.5, 0.25, 0.125]
-CALIBRATED = ("echokv", "lowrank")  # with an artifact calibrated on Gemma (in chunks within its sliding window)
-
-
-def artifact(model, tokenizer, name: str) -> Path:
-    """The model's calibration artifact in the kvsum cache, calibrated (and saved) on first use."""
-    from kvsum.calibrate import calibrate
-    from kvsum.models import cache_dir
-
-    path = cache_dir() / f"{name}-reconstruct.kvsum"
-    if not path.exists():
-        calibrate(model, tokenizer).save(path)
-    return path
 
 
 def feasible(name: str, knobs: dict, budget: float, length: int, H: int = 1, d: int = 256) -> str | None:
@@ -111,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         why = {b: feasible(name, knobs, b, args.length) for b in BUDGETS} if name not in ("full", *CALIBRATED) else {}
         refused += [dict(method=given, budget=b, error=e) for b, e in why.items() if e]
         if name in CALIBRATED:
-            knobs["artifact"] = str(artifact(model, tokenizer, args.model))
+            knobs["artifact"] = str(calibrated(model, tokenizer))
         methods.append((name, knobs, [b for b in BUDGETS if not why.get(b)]))
     rows = run(model, tokenizer, args.task, methods, BUDGETS, [args.length], args.n)
     out = Path(args.out)

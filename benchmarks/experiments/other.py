@@ -102,15 +102,13 @@ EXPERIMENTS = [
                                 ("--lengths", "4096", "8192", "--n", "2", "--methods", *LONG),
                                 ("--lengths", "4096", "--tasks", "niah_multikey", "niah_multivalue", "vt", "--n", "1",
                                  "--methods", *LONG))),
-    Experiment("frontier", "frontier", "frontier", "bytes held against passkey / multikey accuracy and lm KL at 2k, "
-               "budgets 0.03-0.5: the flagship (summary by budget) and each family's best beside the full cache",
-               methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
-               lengths=(2048,), n=20, threads=1,
-               args=("--n-lm", "8", "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0")),
-    Experiment("frontier_4k", "frontier", "frontier", "the same at 4k (fewer examples: 10 retrieval, 4 lm per cell)",
-               methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
-               lengths=(4096,), n=10, threads=1,
-               args=("--n-lm", "4", "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0")),
+    *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
+                 methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
+                 args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
+      for name, length, n, n_lm, what in (
+          ("frontier", 2048, 20, 8, "bytes held against passkey / multikey accuracy and lm KL at 2k, budgets 0.03-0.5: "
+           "the flagship (summary by budget) and each family's best beside the full cache"),
+          ("frontier_4k", 4096, 10, 4, "the same at 4k (fewer examples: 10 retrieval, 4 lm per cell)"))],
     Experiment("bad_input", "robust", "bad_input", "every bad input and the error kvsum gives"),
     Experiment("properties", "robust", "properties", "hypothesis statistics of the property tests", ext="txt"),
     Experiment("report", "report", "kvsum", "the decision report (kvsum report): report.html, report.md",

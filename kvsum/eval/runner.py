@@ -93,7 +93,7 @@ def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequ
                 for ex in t.examples(tokenizer, length, n, seed):
                     _one_example(model, tokenizer, t, ex, configs, per, refused)
                     bar.advance()
-                rows += [_refused_row(t, length, cfg, refused[i]) if refused and i in refused else
+                rows += [dict(_head(t, length, cfg), refused=refused[i]) if refused and i in refused else
                          _row(t, length, cfg, recs) for i, (cfg, recs) in enumerate(zip(configs, per))]
     return rows
 
@@ -149,19 +149,18 @@ def _one_example(model, tokenizer, t: Task, ex: Example, configs, per, refused: 
             refused[i] = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def _refused_row(t: Task, length: int, cfg, why: str) -> dict:
-    name, knobs = _label(*cfg[:2])
-    return dict(task=t.name, length=length, method=name, knobs=knobs, budget=cfg[2], refused=why)
-
-
 def _mean(recs: list[dict], key: str) -> float:
     return sum(r[key] for r in recs) / len(recs)
 
 
+def _head(t: Task, length: int, cfg) -> dict:
+    """What names a row: task, length, method, knobs, budget."""
+    name, knobs = _label(*cfg[:2])
+    return dict(task=t.name, length=length, method=name, knobs=knobs, budget=cfg[2])
+
+
 def _row(t: Task, length: int, cfg, recs: list[dict]) -> dict:
-    name, knobs, budget = cfg
-    name, knobs = _label(name, knobs)
-    row = dict(task=t.name, length=length, method=name, knobs=knobs, budget=budget, n=len(recs))
+    row = dict(_head(t, length, cfg), n=len(recs))
     if t.kind == "lm":
         fid = summarize_fidelity(recs)
         row.update(score=fid["kl"], full_score=0.0, **fid)

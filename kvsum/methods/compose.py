@@ -216,18 +216,20 @@ class Composed(Method):
         index = (1 if x.H <= 127 else 2) if ragged else 0
         return inner + (2 * bias + index) * x.H * n
 
+    def _sinks(self, x: LayerInput) -> int:
+        """Prompt tokens kept exact beside the codes: the first method's sinks (summary's `sinks`; 0 without)."""
+        return min(getattr(self.first, "sinks", 0), x.T)
+
     def _target(self, x: LayerInput, bias: bool, ragged: bool, quant: Quantizer, shift: int) -> int:
         """The first method's budget: the 16-bit bytes of the most entries per head whose bytes fit, its sinks exact
         (see split_sinks) and the rest quantized, so the first method runs once per layer, not again to shrink."""
-        s = min(getattr(self.first, "sinks", 0), x.T)
-        exact = s * x.H * x.entry_bytes()
+        s = self._sinks(x)
         lo, hi = 0, x.T
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if mid <= s:
-                fits = mid * x.H * x.entry_bytes() <= x.budget_bytes
-            else:
-                fits = exact + self._quant_nbytes(x, mid - s, bias, ragged, quant, shift) <= x.budget_bytes
+            exact = min(mid, s)
+            coded = self._quant_nbytes(x, mid - exact, bias, ragged, quant, shift) if mid > exact else 0
+            fits = exact * x.H * x.entry_bytes() + coded <= x.budget_bytes
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         if lo == 0:
             full = 2 * x.H * x.T * x.d * 2
@@ -257,7 +259,7 @@ class Composed(Method):
             if not isinstance(kept, EntryState):
                 raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
                                  "entries can be quantized (for summary: lowrank_share=0)")
-            exact, kept = split_sinks(kept, x.keys, x.values, getattr(self.first, "sinks", 0))
+            exact, kept = split_sinks(kept, x.keys, x.values, self._sinks(x))
             state = self.quantize(kept, x, quant, shift, note)
             if exact is not None:
                 state = ConcatState([exact, state])
