@@ -12,9 +12,7 @@ from kvsum.calibrate import calibrate
 from kvsum.eval import run
 from kvsum.models import cache_dir
 
-from .common import arguments, finish, method_rows, start
-
-CALIBRATED = ("echokv", "lowrank")
+from .common import CALIBRATED, arguments, finish, method_rows, start
 
 
 def main(argv: list[str] | None = None) -> None:

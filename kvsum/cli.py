@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--lengths", default="2000", help="context lengths in tokens, comma-separated")
     e.add_argument("--n", type=int, default=10, help="examples per length")
     e.add_argument("--seed", type=int, default=0, help="seed of the examples")
+    e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="the model's precision")
+    e.add_argument("--chat", action="store_true", help="long-context suite tasks: prompts in the tokenizer's chat "
+                   "template")
     e.add_argument("--out", default=None, help=f"output folder (default: ./{commands.RESULTS}/eval-<task>-<time>)")
 
     s = _sub(sub, "stability", "cache-on vs cache-off per precision, then each method vs the full cache",

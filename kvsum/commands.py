@@ -146,16 +146,17 @@ def cmd_eval(args) -> None:
         raise KVSumError(f"--out {str(out)!r} is a file; give a folder")
     import kvsum
     from kvsum.eval.runner import get_task, run, write
+    from kvsum.stability import DTYPES
 
-    get_task(args.task)  # an unknown task fails before the model loads
-    model, tok = kvsum.load_model(args.model)
+    task = get_task(args.task, chat=args.chat)  # an unknown task fails before the model loads
+    model, tok = kvsum.load_model(args.model, dtype=DTYPES[args.dtype])
     limit = model.config.max_position_embeddings
     if max(lengths) > limit:
         raise KVSumError(f"--lengths {max(lengths)} is longer than the model's window ({limit})")
     t = time.time()
-    rows = run(model, tok, args.task, [(s.name, s.knobs) for s in specs], bs, lengths, args.n, seed=args.seed,
+    rows = run(model, tok, task, [(s.name, s.knobs) for s in specs], bs, lengths, args.n, seed=args.seed,
                progress=True)
-    js, md = write(rows, out / f"eval_{args.task}", model=args.model, command=command_line(args))
+    js, md = write(rows, out / f"eval_{args.task}", args.model, command_line(args), dtype=args.dtype, chat=args.chat)
     print(md.read_text())
     print(f"wrote {js} and {md} in {time.time() - t:.0f} s")
 
@@ -245,10 +246,11 @@ def cmd_bench(args) -> None:
 
     import torch
 
-    import kvsum
     from kvsum.breakeven import markdown, measure
+    from kvsum.eval.report import meta
     from kvsum.eval.text import prose_ids
     from kvsum.methods import make_method
+    from kvsum.models import load_model
 
     methods = [m.strip() for m in args.methods.split(",")]
     lengths = ints(args.lengths, "--lengths")
@@ -258,11 +260,11 @@ def cmd_bench(args) -> None:
     if args.new_tokens < 1:
         raise KVSumError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     torch.set_num_threads(args.threads)
-    model, tok = kvsum.load_model(args.model)
+    model, tok = load_model(args.model)
     table = measure(model, tok, methods, lengths, ids=prose_ids(tok, max(lengths)), new_tokens=args.new_tokens,
                     budget=budget, rounds=args.rounds, progress=True)
-    table["model"], table["command"] = args.model, command_line(args)
-    table["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    info = meta(args.model, command_line(args), threads=args.threads)  # date and versions, like every result
+    table.update(model=args.model, command=info["command"], date=info["date"], meta=info)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(table, indent=1) + "\n")

@@ -1,6 +1,7 @@
 """kvsum/cli.py: the command line; argument errors are one line and exit 2 before any model loads."""
 
 import pytest
+import torch
 
 import kvsum
 from kvsum import cli
@@ -99,7 +100,7 @@ def test_eval_writes_into_the_chosen_folder(capsys, monkeypatch, tmp_path):
     import kvsum.models
     from tests.helpers import CharTokenizer, tiny_llama
 
-    monkeypatch.setattr(kvsum.models, "load_model", lambda name: (tiny_llama(), CharTokenizer()))
+    monkeypatch.setattr(kvsum.models, "load_model", lambda name, **kw: (tiny_llama(), CharTokenizer()))
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--method", "full,streaming_llm:sinks=4", "--budget", "0.5", "--task", "lm",
                  "--lengths", "300", "--n", "1"]) == 0
@@ -107,6 +108,51 @@ def test_eval_writes_into_the_chosen_folder(capsys, monkeypatch, tmp_path):
     (folder,) = (tmp_path / "kvsum-results").iterdir()
     assert folder.name.startswith("eval-lm-") and (folder / "eval_lm.json").is_file()
     assert f"wrote kvsum-results/{folder.name}/eval_lm.json" in out and "sinks=4" in out
+
+
+def test_bench_breakeven_writes_a_table_with_its_meta(capsys, monkeypatch, tmp_path):
+    import json
+
+    import kvsum.models
+    from tests.helpers import CharTokenizer, tiny_llama
+
+    monkeypatch.setattr(kvsum.models, "load_model", lambda name: (tiny_llama(), CharTokenizer()))
+    out = tmp_path / "be"
+    assert main(["bench", "breakeven", "--methods", "snapkv", "--lengths", "64,128", "--new-tokens", "2",
+                 "--rounds", "1", "--threads", "1", "--out", str(out)]) == 0
+    table = json.loads(out.with_suffix(".json").read_text())
+    assert table["lengths"] == [64, 128] and len(table["methods"]["snapkv"]["ratio"]) == 2
+    assert {"date", "command", "kvsum", "torch", "transformers", "threads"} <= set(table["meta"])
+    assert table["meta"]["command"].startswith("kvsum bench breakeven") and "break-even" in capsys.readouterr().out
+
+
+def test_eval_chat_is_for_the_suite_tasks_and_reaches_them(capsys, monkeypatch, tmp_path):
+    import json
+
+    import kvsum.models
+    from tests.helpers import CharTokenizer, tiny_llama
+
+    class ChatTokenizer(CharTokenizer):
+        chat_template = "set"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+            got["templated"] = True
+            return "<user>" + messages[0]["content"] + "</user><bot>"
+
+    got = {}
+
+    def load(name, **kw):
+        got.update(kw)
+        return tiny_llama(), ChatTokenizer()
+
+    monkeypatch.setattr(kvsum.models, "load_model", load)
+    assert main(["eval", "--method", "full", "--task", "passkey", "--chat", "--lengths", "300", "--n", "1",
+                 "--out", str(tmp_path / "p")]) == 2
+    assert "chat prompts are for the long-context suite's tasks" in capsys.readouterr().err
+    assert main(["eval", "--method", "full", "--task", "niah_single", "--chat", "--dtype", "bf16", "--lengths", "600",
+                 "--n", "1", "--out", str(tmp_path / "n")]) == 0
+    info = json.loads((tmp_path / "n" / "eval_niah_single.json").read_text())["meta"]
+    assert info["chat"] is True and info["dtype"] == "bf16" and got["dtype"] is torch.bfloat16 and got["templated"]
 
 
 def test_cli_rejects_bad_task(capsys):

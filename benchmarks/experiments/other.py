@@ -30,6 +30,9 @@ LONG = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25",  # each family's best a
         spec("snapkv+turboquant", (0.25,), key_shift=1),
         spec("summary+turboquant", (0.1,), score="sentence", key_shift=1))
 
+LONG_BF16 = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25", LONG[3], "echokv@0.25", "summary@0.25,0.1,0.05",
+             spec("snapkv+turboquant", (0.25, 0.1), key_shift=1))  # the flagship with no knobs, by budget
+
 
 def perf(part: str, doc: str, *runs: tuple[str, ...]) -> Experiment:
     return Experiment(f"perf_{part}", "perf", "perf", doc, part=part, threads=2, runs=runs or ((),))
@@ -102,6 +105,10 @@ EXPERIMENTS = [
                                 ("--lengths", "4096", "8192", "--n", "2", "--methods", *LONG),
                                 ("--lengths", "4096", "--tasks", "niah_multikey", "niah_multivalue", "vt", "--n", "1",
                                  "--methods", *LONG))),
+    Experiment("long_suite_bf16", "long", "long_suite", "Qwen in bf16 (as served; ~5x faster prefill on this "
+               "CPU), chat format (chosen on dev seeds), at 16k-32k: the flagship by budget (0.25 / 0.10 / 0.05) and "
+               "each family's best beside the full cache on NIAH single (prose, code)",
+               threads=2, lengths=(32768, 16384), n=(2, 3), methods=LONG_BF16, args=("--dtype", "bf16", "--chat")),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))

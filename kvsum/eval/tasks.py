@@ -165,9 +165,15 @@ class LMFidelity(Task):
 TASKS: dict[str, type[Task]] = {t.name: t for t in (Passkey, MultiKey, LMFidelity)}
 
 
-def get_task(task: str | Task) -> Task:
+def get_task(task: str | Task, chat: bool = False) -> Task:
+    """The task by name; `chat`: its prompts in the tokenizer's chat template (the long-context suite's tasks)."""
     if isinstance(task, Task):
         return task
     if task not in TASKS:
         raise KVSumError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
-    return TASKS[task]()
+    made = TASKS[task]()
+    if chat and not hasattr(made, "chat"):
+        raise KVSumError(f"chat prompts are for the long-context suite's tasks, not {task!r}")
+    if chat:
+        made.chat = True
+    return made

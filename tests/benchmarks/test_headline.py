@@ -29,6 +29,25 @@ def test_long_column_matches_spec_and_budget_bucket(tmp_path):
     assert _long(table[2]) == "-" and _long(table[3]) == "-"  # 0.25 is not in (0.0625, 0.125]; no such row
 
 
+def test_long_column_prefers_the_first_source_and_matches_what_summary_chose(tmp_path):
+    cover = "summary:cover=turboquant(bits=3.5,center=True),score=surprisal"
+    old = [_row("full", 1.0, 16384, "niah_single", 100.0), _row(cover, 0.25, 16384, "niah_single", 100.0),
+           _row("snapkv", 0.25, 16384, "niah_single", 50.0)]
+    new = [_row("full", 1.0, 16384, "niah_single", 80.0, n=5), {**_row("summary", 0.25, 16384, "niah_single", 60.0,
+                                                                       n=5), "chosen": [cover]}]
+    (tmp_path / "long").mkdir()
+    for name, rows in (("long_suite", old), ("long_suite_bf16", new)):
+        (tmp_path / "long" / f"{name}.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    table = [dict(family="full cache", method="full", knobs={}, budget=1.0),
+             dict(family="summary", method="summary", knobs={"cover": "turboquant(bits=3.5,center=True)",
+                                                             "score": "surprisal"}, budget=0.25),
+             dict(family="eviction", method="snapkv", knobs={}, budget=0.25)]
+    long_cells(tmp_path, table)
+    assert _long(table[0]) == "16k: 80, n = 5" and table[0]["long"]["source"] == "long/long_suite_bf16.json"
+    assert _long(table[1]) == "16k: 60 (100), n = 5"  # the flagship's choice at 0.25 is this configuration
+    assert _long(table[2]) == "16k: 50 (100), n = 2" and table[2]["long"]["source"] == "long/long_suite.json"
+
+
 def test_summary_by_budget_rows_are_the_flagship_and_bare_old_rows_its_own_defaults(tmp_path):
     """A `summary` row that records what it became (`chosen`) is the flagship; a bare one without (committed before
     summary was configured by budget) is summary's own defaults; refusals never enter the table."""
