@@ -108,7 +108,7 @@ EXPERIMENTS = [
     Experiment("long_suite_bf16", "long", "long_suite", "Qwen in bf16 (as served; ~5x faster prefill on this "
                "CPU), chat format (chosen on dev seeds), at 16k-32k: the flagship by budget (0.25 / 0.10 / 0.05) and "
                "each family's best beside the full cache on NIAH single (prose, code)",
-               threads=2, lengths=(32768, 16384), n=(2, 3), methods=LONG_BF16, args=("--dtype", "bf16", "--chat")),
+               threads=2, lengths=(32768, 16384), n=(3, 3), methods=LONG_BF16, args=("--dtype", "bf16", "--chat")),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
