@@ -38,7 +38,7 @@ from .memory import reset_peak, rss
 from .specs import parse_row
 
 TASKS = ("niah_single", "niah_single_code")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # names of torch dtypes (torch is imported in the child only)
+DTYPES = ("fp32", "bf16")  # kvsum.stability.DTYPES' names (it imports torch, which only the child loads)
 MIB = 2 ** 20
 
 
@@ -84,14 +84,16 @@ def one_length(args, length: int) -> None:
     import torch
 
     import kvsum
+    from kvsum.eval.runner import chosen
     from kvsum.eval.tasks import DEPTHS, example_seed, get_task
     from kvsum.methods import make_method, prefill_needs
     from kvsum.prefill import CHUNK, WHOLE
+    from kvsum.stability import DTYPES as TORCH_DTYPES
 
     from .common import CALIBRATED, calibrated, paired_decode
 
     torch.set_num_threads(args.threads)
-    model, tok = kvsum.load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]))
+    model, tok = kvsum.load_model(args.model, dtype=TORCH_DTYPES[args.dtype])
     cfgs = configs(args.methods, args.budgets)
     built = [make_method(name, **knobs) for _, name, knobs, _ in cfgs]  # fail before any prefill
     opts = prefill_needs(built)
@@ -134,7 +136,6 @@ def one_length(args, length: int) -> None:
                 compress_s = time.perf_counter() - t0
                 _, peak = rss()
                 held = cache.nbytes()  # before the question and answer grow it
-                made = getattr(cache, "decision", None)  # summary by budget: what it became on this example
                 kept.append(copy.deepcopy(cache))
                 score, text = answer(model, tok, task, ex, cache)
                 recs.append(dict(task=task.name, length=length, index=i, seed=seed, depth=ex.depth, config=label,
@@ -146,7 +147,7 @@ def one_length(args, length: int) -> None:
                                  prefill_peak=prefill_peak, compress_peak=peak, rss_before=before,
                                  compress_extra=peak - before, base=base,
                                  peak_over_base=max(prefill_peak, peak) / base,
-                                 **({"chosen": made.spec} if made is not None else {})))
+                                 **chosen(cache)))
                 del cache
             del pre
             steps = ex.question_ids[:, :args.decode_steps + 2]
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=["full", "snapkv"], help="spec strings, own budgets after @")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.1])
     ap.add_argument("--seed", type=int, default=0, help="test split: seeds 0-999")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+    ap.add_argument("--dtype", choices=DTYPES, default="fp32",
                     help="the model's dtype (bf16: how the model is served; ~5x faster on CPUs with AMX)")
     ap.add_argument("--chat", action="store_true", help="prompts in the tokenizer's chat template")
     ap.add_argument("--decode-steps", type=int, default=4, help="decode steps timed per cache (after 2 warm-up)")

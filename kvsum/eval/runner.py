@@ -113,6 +113,13 @@ def prefill_example(model, tokenizer, t: Task, ex: Example, configs) -> tuple:
     return pre, prefill_s, ref
 
 
+def chosen(cache) -> dict:
+    """{"chosen": spec} for a cache compressed by a method configured by budget (summary with no knobs: what it
+    became on this example), else {}."""
+    made = getattr(cache, "decision", None)
+    return {"chosen": made.spec} if made is not None else {}
+
+
 def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, name: str, knobs: dict,
            budget: float) -> dict:
     """One configuration on one prefilled example: bytes held, times, and its score beside the reference."""
@@ -122,9 +129,7 @@ def record(model, tokenizer, t: Task, ex: Example, pre, prefill_s: float, ref, n
     rec = dict(bytes=cache.nbytes(), full_bytes=cache.reference_nbytes, depth=ex.depth, prefill_s=prefill_s,
                compress_s=compress_s, global_bytes=cache.budget_nbytes(),
                global_full_bytes=cache.budget_reference_nbytes)  # global_*: the layers the budget governs
-    made = getattr(cache, "decision", None)  # summary configured by budget: what it became on this example
-    if made is not None:
-        rec["chosen"] = made.spec
+    rec.update(chosen(cache))
     if t.kind == "lm":
         ref_logits, targets = ref
         rec.update(fidelity(ref_logits, forced_logits(model, ex, cache), targets))
