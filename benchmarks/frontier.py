@@ -104,8 +104,9 @@ def table(rows: list[dict], length: int, specs: list[str], budgets: list[float])
 
 
 def render(rows: list[dict], info: dict, cmd: str, specs: list[str], budgets: list[float]) -> str:
-    """The markdown page: command and meta on top, then a table per length."""
-    lines = ["# Frontier: bytes held against retrieval and lm KL", "", f"`{cmd}`", "", info_line(info), "",
+    """The markdown page: command(s) and meta on top, then a table per length."""
+    lines = ["# Frontier: bytes held against retrieval and lm KL", "", "; ".join(f"`{c}`" for c in cmd.split("\n")),
+             "", info_line(info), "",
              "Cells: passkey / multikey accuracy % (the full cache's) · lm KL(full || compressed) nats · bytes held "
              "over the full 16-bit cache (the full cache in float32 holds 2×), n = examples per task; \"refuses\": "
              "the budget is below what the configuration can hold.", ""]
@@ -114,19 +115,38 @@ def render(rows: list[dict], info: dict, cmd: str, specs: list[str], budgets: li
     return "\n".join(lines)
 
 
-def write(rows: list[dict], info: dict, out: str, specs: list[str], budgets: list[float]) -> tuple[Path, Path]:
-    """<out>.json (meta, rows, command) and <out>.md."""
+def merge(rows: list[dict], out: str, specs: list[str], budgets: list[float]):
+    """(rows, specs, budgets, earlier commands) with <out>.json's rows of the configurations this run did not
+    measure kept beside this run's (the full cache's are this run's: the same examples), for a rerun of some
+    configurations (a changed flagship) without the others."""
+    js = Path(out).with_name(Path(out).name + ".json")
+    if not js.exists():
+        return rows, specs, budgets, []
+    old = json.loads(js.read_text())
+    lengths = {r["length"] for r in rows}
+    kept = [r for r in old["rows"] if r["config"] not in ("full", *specs) or r["length"] not in lengths]
+    order = list(dict.fromkeys([*(r["config"] for r in old["rows"] if r["config"] != "full"), *specs]))
+    return (kept + rows, order, sorted({*budgets, *(r["budget"] for r in kept if r["config"] != "full")}),
+            old.get("commands", [old["command"]]))
+
+
+def write(rows: list[dict], info: dict, out: str, specs: list[str], budgets: list[float],
+          earlier: list[str] = ()) -> tuple[Path, Path]:
+    """<out>.json (meta, rows, command: this run's; commands: every run the rows come from) and <out>.md."""
     stem = Path(out)
     stem.parent.mkdir(parents=True, exist_ok=True)
     cmd = command()
+    commands = [c for c in earlier if c != cmd] + [cmd]
     js, md = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
-    js.write_text(json.dumps({"meta": info, "rows": rows, "command": cmd}, indent=1, default=str) + "\n")
-    md.write_text(render(rows, info, cmd, specs, budgets))
+    js.write_text(json.dumps({"meta": info, "rows": rows, "command": cmd, "commands": commands}, indent=1,
+                             default=str) + "\n")
+    md.write_text(render(rows, info, "\n".join(commands), specs, budgets))
     return js, md
 
 
 def parser():
-    """The command line: --model, --threads, --out, --length (several), --n, --n-lm, --budgets, --methods, --seed."""
+    """The command line: --model, --threads, --out, --length (several), --n, --n-lm, --budgets, --methods, --seed,
+    --merge."""
     ap = arguments(__doc__, "frontier/frontier", threads=1)
     ap.add_argument("--length", "--lengths", dest="lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--n", type=int, default=20, help="passkey and multikey examples each")
@@ -134,6 +154,8 @@ def parser():
     ap.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), help="spec strings (name:knob=value,...)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", action="store_true", help="keep the configurations of --out.json this run does not "
+                    "measure (rerun some of them on the same examples)")
     return ap
 
 
@@ -146,7 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     rows = measure(model, tok, args.methods, args.budgets, args.lengths, args.n, args.n_lm, args.seed, progress=True)
     info = run_info(args.model, args.threads, wall_s=round(time.perf_counter() - t0, 1))
-    js, md = write(rows, info, args.out, args.methods, args.budgets)
+    specs, budgets, earlier = args.methods, args.budgets, []
+    if args.merge:
+        rows, specs, budgets, earlier = merge(rows, args.out, specs, budgets)
+    js, md = write(rows, info, args.out, specs, budgets, earlier)
     print(md.read_text())
     print(f"wrote {js} and {md}")
 

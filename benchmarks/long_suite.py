@@ -250,6 +250,14 @@ def summary_table(rows: list[dict], tasks=TASKS) -> list[str]:
     return out
 
 
+def other_tasks(rows: list[dict]) -> list[str]:
+    """The suite's tasks beyond NIAH single, one table each (the same cells as the NIAH single table)."""
+    out = []
+    for task in dict.fromkeys(r["task"] for r in rows if r["task"] not in TASKS):
+        out += [f"### {task}", "", *summary_table([r for r in rows if r["task"] == task], (task,)), ""]
+    return out
+
+
 def render(rows: list[dict], meta: dict) -> str:
     dtype = meta.get("dtype", "fp32")
     info = ", ".join(f"{k}: {v}" for k, v in meta.items() if v is not None and not isinstance(v, list | dict))
@@ -258,7 +266,7 @@ def render(rows: list[dict], meta: dict) -> str:
            f"{meta.get('split', 'test')} split; the full cache's score on the same examples in brackets; n examples "
            "per cell; bytes held: `cache.nbytes()` over the full cache at 16 bits (the full cache is the "
            f"{dtype} model's own: {2 if dtype == 'fp32' else 1}.000).", "", *summary_table(rows), "",
-           "## Per task and length", "",
+           *other_tasks(rows), "## Per task and length", "",
            "Score: recall % (the full cache on the same examples); compress / prefill: compress_prefill's time over "
            "the prefill's (the prefill with every extra the configurations need); decode / full: the median over "
            "examples of the median decode step on this cache over the full cache's, paired step by step; peak: the "

@@ -94,7 +94,7 @@ EXPERIMENTS = [
     Experiment("long_memory", "long", "long_memory", "Qwen at 2k-32k: peak memory during compression against "
                "weights + full cache + a chunk; compression time and its exponent", threads=2,
                runs=(("--lengths", "2048", "4096", "8192", "16384"),
-                     ("--lengths", "32768", "--methods", "full", "snapkv", "turboquant"))),
+                     ("--lengths", "32768"))),
     Experiment("long_suite", "long", "long_suite", "Qwen at 4k-32k: each family's best at 0.25 / 0.10 beside the "
                "full cache on NIAH single (prose, code): score, compress / prefill, decode / full, bytes, peak memory",
                threads=1, runs=(("--lengths", "32768", "--tasks", "niah_single", "--n", "1", "--methods", *LONG),

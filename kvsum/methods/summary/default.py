@@ -10,7 +10,10 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      (`summary+turboquant`), anchors chosen as whole sentences ranked by surprisal (a fact is a sentence, not
      its sharpest token), key bits shifted from diffuse to sharp layers (key_shift=1) and keys centered per head
      before coding (center=True: a code spent on a head's constant key offset is lost to what differs, and
-     Qwen's large key biases garble uncentered answers);
+     Qwen's large key biases garble uncentered answers), and every layer and head given the same share
+     (entropy_allocation=False: a sentence is kept or not in every layer; spread by attention entropy, the sharp
+     layers' smaller shares cut the needle's sentence where the diffuse ones keep it, and its value comes out
+     garbled or not at all);
      below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser: at 0.05 of the bytes that pays,
      at 0.1 the 3-bit default does);
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
@@ -28,8 +31,8 @@ COVER_FROM = 0.25
 TWO_BITS_BELOW = 0.075  # between the budgets measured (0.1: 3 bits better; 0.05: 2 bits)
 COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
-SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True},
-             "summary's selection as centered TurboQuant codes, anchors as whole sentences")
+SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True, "entropy_allocation": False},
+             "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 CODES = ("summary+turboquant", {"center": True}, "summary's selection as centered TurboQuant codes")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 

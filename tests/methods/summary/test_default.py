@@ -20,7 +20,9 @@ def test_the_rule_orders_its_configurations_by_budget():
     top = [(c.name, c.knobs) for c in default.choices(0.25, sentences=True)]
     assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True}),
                                   "score": "surprisal"})
-    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True})
+    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True,
+                                             "entropy_allocation": False})
+    assert not default.choices(0.1, True)[0].method.first.entropy_allocation  # a sentence kept alike in every layer
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
     assert low == [("summary+turboquant", {"center": True}), ("summary", {"by_budget": False})]  # no cover, sentences
