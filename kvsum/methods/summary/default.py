@@ -33,7 +33,8 @@ COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}),
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True, "entropy_allocation": False},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
-CODES = ("summary+turboquant", {"center": True}, "summary's selection as centered TurboQuant codes")
+CODES = ("summary+turboquant", {"center": True, "entropy_allocation": False},
+         "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 
 

@@ -25,7 +25,8 @@ def test_the_rule_orders_its_configurations_by_budget():
     assert not default.choices(0.1, True)[0].method.first.entropy_allocation  # a sentence kept alike in every layer
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
-    assert low == [("summary+turboquant", {"center": True}), ("summary", {"by_budget": False})]  # no cover, sentences
+    assert low == [("summary+turboquant", {"center": True, "entropy_allocation": False}),
+                   ("summary", {"by_budget": False})]  # no cover, no sentences
     two = default.choices(0.05, sentences=True)  # below TWO_BITS_BELOW the codes are 2-bit
     assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
     for c in two:  # every configuration the rule builds stands for itself
