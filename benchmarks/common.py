@@ -49,6 +49,11 @@ def command() -> str:
     return CONTEXT["command"] or shlex.join(["python", *sys.argv])
 
 
+def commands_with(earlier: list[str], cmd: str) -> list[str]:
+    """The commands of every run merged into one result file: `earlier`'s, then `cmd` (last, once)."""
+    return [c for c in earlier if c != cmd] + [cmd]
+
+
 def git_commit() -> str | None:
     """The checkout's commit, with "+dirty" when tracked files differ from it (None outside git)."""
     try:

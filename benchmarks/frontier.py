@@ -20,7 +20,7 @@ import torch
 import kvsum
 from kvsum.eval import run
 
-from .common import CALIBRATED, arguments, calibrated, command, info_line, run_info
+from .common import CALIBRATED, arguments, calibrated, command, commands_with, info_line, run_info
 from .specs import parse_row
 
 METHODS = ("summary", "snapkv", "turboquant", "echokv", "snapkv+turboquant:key_shift=1")
@@ -103,9 +103,9 @@ def table(rows: list[dict], length: int, specs: list[str], budgets: list[float])
     return lines + ([""] + notes if notes else [])
 
 
-def render(rows: list[dict], info: dict, cmd: str, specs: list[str], budgets: list[float]) -> str:
-    """The markdown page: command(s) and meta on top, then a table per length."""
-    lines = ["# Frontier: bytes held against retrieval and lm KL", "", "; ".join(f"`{c}`" for c in cmd.split("\n")),
+def render(rows: list[dict], info: dict, commands: list[str], specs: list[str], budgets: list[float]) -> str:
+    """The markdown page: the commands the rows come from and meta on top, then a table per length."""
+    lines = ["# Frontier: bytes held against retrieval and lm KL", "", "; ".join(f"`{c}`" for c in commands),
              "", info_line(info), "",
              "Cells: passkey / multikey accuracy % (the full cache's) · lm KL(full || compressed) nats · bytes held "
              "over the full 16-bit cache (the full cache in float32 holds 2×), n = examples per task; \"refuses\": "
@@ -136,11 +136,11 @@ def write(rows: list[dict], info: dict, out: str, specs: list[str], budgets: lis
     stem = Path(out)
     stem.parent.mkdir(parents=True, exist_ok=True)
     cmd = command()
-    commands = [c for c in earlier if c != cmd] + [cmd]
+    commands = commands_with(list(earlier), cmd)
     js, md = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
     js.write_text(json.dumps({"meta": info, "rows": rows, "command": cmd, "commands": commands}, indent=1,
                              default=str) + "\n")
-    md.write_text(render(rows, info, "\n".join(commands), specs, budgets))
+    md.write_text(render(rows, info, commands, specs, budgets))
     return js, md
 
 

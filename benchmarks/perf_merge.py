@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvsum.methods import make_method, prefill_needs
 
-from .common import run_info
+from .common import commands_with, run_info
 
 
 def timed(fn):
@@ -33,7 +33,7 @@ def write_merged(part: str, rows: list[dict], lines, args, merge_key=None, recor
     rows = [r for r in prev["rows"] if merge_key(r) not in keys] + rows
     info = run_info(args.model, args.threads)
     commands = prev["meta"].get("commands", [prev["meta"]["command"]] if "command" in prev["meta"] else [])
-    info["commands"] = [c for c in commands if c != info["command"]] + [info["command"]] if record else commands
+    info["commands"] = commands_with(commands, info["command"]) if record else commands
     if not record:
         info = {**prev["meta"], "commands": commands}
     js.write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")

@@ -31,9 +31,10 @@ COVER_FROM = 0.25
 TWO_BITS_BELOW = 0.075  # between the budgets measured (0.1: 3 bits better; 0.05: 2 bits)
 COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
-SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True, "entropy_allocation": False},
+CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer
+SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
-CODES = ("summary+turboquant", {"center": True, "entropy_allocation": False},
+CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 
