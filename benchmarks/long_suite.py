@@ -261,11 +261,13 @@ def other_tasks(rows: list[dict]) -> list[str]:
 def render(rows: list[dict], meta: dict) -> str:
     dtype = meta.get("dtype", "fp32")
     info = ", ".join(f"{k}: {v}" for k, v in meta.items() if v is not None and not isinstance(v, list | dict))
+    single = any(r["task"] in TASKS for r in rows)
     out = [f"# Long contexts: the families' best configurations on {meta.get('model')} at 4k-32k tokens", "", info,
-           "", "NIAH single (prose and code haystacks together): string-match recall %, "
-           f"{meta.get('split', 'test')} split; the full cache's score on the same examples in brackets; n examples "
-           "per cell; bytes held: `cache.nbytes()` over the full cache at 16 bits (the full cache is the "
-           f"{dtype} model's own: {2 if dtype == 'fp32' else 1}.000).", "", *summary_table(rows), "",
+           "", f"{'NIAH single (prose and code haystacks together)' if single else 'Each task'}: string-match recall "
+           f"%, {meta.get('split', 'test')} split; the full cache's score on the same examples in brackets; n "
+           "examples per cell; bytes held: `cache.nbytes()` over the full cache at 16 bits (the full cache is the "
+           f"{dtype} model's own: {2 if dtype == 'fp32' else 1}.000).", "", *(summary_table(rows) + [""] if single
+                                                                              else []),
            *other_tasks(rows), "## Per task and length", "",
            "Score: recall % (the full cache on the same examples); compress / prefill: compress_prefill's time over "
            "the prefill's (the prefill with every extra the configurations need); decode / full: the median over "

@@ -32,6 +32,8 @@ LONG = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25",  # each family's best a
 
 LONG_BF16 = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25", LONG[3], "echokv@0.25", "summary@0.25,0.1,0.05",
              spec("snapkv+turboquant", (0.25, 0.1), key_shift=1))  # the flagship with no knobs, by budget
+LONG_TASKS = ("niah_multikey", "niah_multikey_code", "niah_multivalue", "niah_multiquery", "vt", "vt_code", "cwe",
+              "fwe")  # the suite beyond NIAH single
 
 
 def perf(part: str, doc: str, *runs: tuple[str, ...]) -> Experiment:
@@ -108,7 +110,17 @@ EXPERIMENTS = [
     Experiment("long_suite_bf16", "long", "long_suite", "Qwen in bf16 (as served; ~5x faster prefill on this "
                "CPU), chat format (chosen on dev seeds), at 16k-32k: the flagship by budget (0.25 / 0.10 / 0.05) and "
                "each family's best beside the full cache on NIAH single (prose, code)",
-               threads=2, lengths=(32768, 16384), n=(3, 3), methods=LONG_BF16, args=("--dtype", "bf16", "--chat")),
+               threads=2, runs=(("--methods", *LONG_BF16, "--lengths", "32768", "16384", "--n", "3", "3", "--dtype",
+                                 "bf16", "--chat"),  # then two more examples a haystack at 16k, the flagship's rows
+                                ("--methods", "full", "summary@0.25,0.1,0.05", LONG_BF16[-1], "--lengths", "16384",
+                                 "--n", "5", "--dtype", "bf16", "--chat"))),
+    Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
+               "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
+               "flagship by budget and the best quantization and eviction beside the full cache (a second example "
+               "of each but cwe, which the full cache misses)", threads=1,
+               runs=tuple(("--methods", "full", "summary@0.25,0.1", LONG[3], "snapkv@0.25", "--tasks", *tasks,
+                           "--lengths", "16384", "--n", n, "--dtype", "bf16", "--chat")
+                          for tasks, n in ((LONG_TASKS, "1"), ([t for t in LONG_TASKS if t != "cwe"], "2")))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
@@ -116,6 +128,10 @@ EXPERIMENTS = [
           ("frontier", 2048, 20, 8, "bytes held against passkey / multikey accuracy and lm KL at 2k, budgets 0.03-0.5: "
            "the flagship (summary by budget) and each family's best beside the full cache"),
           ("frontier_4k", 4096, 10, 4, "the same at 4k (fewer examples: 10 retrieval, 4 lm per cell)"))],
+    Experiment("frontier_flagship", "frontier", "frontier", "the flagship (summary by budget) at 2k on 50 retrieval "
+               "examples a task and 8 lm windows at 0.25 / 0.10 / 0.05, the full cache beside", lengths=(2048,), n=50,
+               threads=2, methods=("summary",),
+               args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("bad_input", "robust", "bad_input", "every bad input and the error kvsum gives"),
     Experiment("properties", "robust", "properties", "hypothesis statistics of the property tests", ext="txt"),
     Experiment("report", "report", "kvsum", "the decision report (kvsum report): report.html, report.md",

@@ -43,3 +43,12 @@ def test_tables_name_the_count_in_every_cell():
     assert "| `snapkv` | 0.25 | 0.250 | 100 (100), n = 2 | 100 (100), n = 2 |" in table
     md = render(rows, {"model": "qwen2.5-coder-0.5b", "commands": ["python -m benchmarks.long_suite"]})
     assert "| 32768 | niah_single_code | `snapkv` | 0.25 | 1 | 100 (100) |" in md
+
+
+def test_a_run_without_niah_single_has_one_table_per_task_and_no_empty_one():
+    recs = [_rec(t, 16384, 0, c, b, s, full=40.0) for t in ("vt", "fwe")
+            for c, b, s in (("full", 1.0, 40.0), ("snapkv", 0.25, 0.0))]
+    md = render(aggregate(recs), {"model": "qwen2.5-coder-0.5b", "commands": ["python -m benchmarks.long_suite"]})
+    assert "NIAH single" not in md and "### vt" in md and "### fwe" in md
+    assert md.count("| configuration | budget | bytes held | 16k |") == 2
+    assert "| `snapkv` | 0.25 | 0.250 | 0 (40), n = 1 |" in md
