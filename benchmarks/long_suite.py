@@ -261,14 +261,14 @@ def other_tasks(rows: list[dict]) -> list[str]:
 def render(rows: list[dict], meta: dict) -> str:
     dtype = meta.get("dtype", "fp32")
     info = ", ".join(f"{k}: {v}" for k, v in meta.items() if v is not None and not isinstance(v, list | dict))
-    single = any(r["task"] in TASKS for r in rows)
+    single = any(r["task"] in TASKS for r in rows)  # a run of the other tasks alone has no NIAH single table
+    first = [*summary_table(rows), ""] if single else []
     out = [f"# Long contexts: the families' best configurations on {meta.get('model')} at 4k-32k tokens", "", info,
            "", f"{'NIAH single (prose and code haystacks together)' if single else 'Each task'}: string-match recall "
            f"%, {meta.get('split', 'test')} split; the full cache's score on the same examples in brackets; n "
            "examples per cell; bytes held: `cache.nbytes()` over the full cache at 16 bits (the full cache is the "
-           f"{dtype} model's own: {2 if dtype == 'fp32' else 1}.000).", "", *(summary_table(rows) + [""] if single
-                                                                              else []),
-           *other_tasks(rows), "## Per task and length", "",
+           f"{dtype} model's own: {2 if dtype == 'fp32' else 1}.000).", "", *first, *other_tasks(rows),
+           "## Per task and length", "",
            "Score: recall % (the full cache on the same examples); compress / prefill: compress_prefill's time over "
            "the prefill's (the prefill with every extra the configurations need); decode / full: the median over "
            "examples of the median decode step on this cache over the full cache's, paired step by step; peak: the "
