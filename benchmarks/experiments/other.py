@@ -117,10 +117,12 @@ EXPERIMENTS = [
     Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
                "flagship by budget and the best quantization and eviction beside the full cache (a second example "
-               "of each but cwe, which the full cache misses)", threads=1,
-               runs=tuple(("--methods", "full", "summary@0.25,0.1", LONG[3], "snapkv@0.25", "--tasks", *tasks,
-                           "--lengths", "16384", "--n", n, "--dtype", "bf16", "--chat")
-                          for tasks, n in ((LONG_TASKS, "1"), ([t for t in LONG_TASKS if t != "cwe"], "2")))),
+               "of each but cwe, which the full cache misses; three of them at 32k, the flagship alone)", threads=1,
+               runs=(*(("--methods", "full", "summary@0.25,0.1", LONG[3], "snapkv@0.25", "--tasks", *tasks,
+                        "--lengths", "16384", "--n", n, "--dtype", "bf16", "--chat")
+                       for tasks, n in ((LONG_TASKS, "1"), ([t for t in LONG_TASKS if t != "cwe"], "2"))),
+                     ("--methods", "full", "summary@0.25,0.1", "--tasks", "niah_multikey", "niah_multikey_code", "vt",
+                      "--lengths", "32768", "--n", "1", "--dtype", "bf16", "--chat"))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
