@@ -49,6 +49,11 @@ def command() -> str:
     return CONTEXT["command"] or shlex.join(["python", *sys.argv])
 
 
+def recorded_commands(record: dict) -> list[str]:
+    """The commands a result file (or its meta) says its rows come from: its `commands`, else its one `command`."""
+    return list(record.get("commands", [record["command"]] if "command" in record else []))
+
+
 def commands_with(earlier: list[str], cmd: str) -> list[str]:
     """The commands of every run merged into one result file: `earlier`'s, then `cmd` (last, once)."""
     return [c for c in earlier if c != cmd] + [cmd]

@@ -20,7 +20,7 @@ import torch
 import kvsum
 from kvsum.eval import run
 
-from .common import CALIBRATED, arguments, calibrated, command, commands_with, info_line, run_info
+from .common import CALIBRATED, arguments, calibrated, command, commands_with, info_line, recorded_commands, run_info
 from .specs import parse_row
 
 METHODS = ("summary", "snapkv", "turboquant", "echokv", "snapkv+turboquant:key_shift=1")
@@ -127,7 +127,7 @@ def merge(rows: list[dict], out: str, specs: list[str], budgets: list[float]):
     kept = [r for r in old["rows"] if r["config"] not in ("full", *specs) or r["length"] not in lengths]
     order = list(dict.fromkeys([*(r["config"] for r in old["rows"] if r["config"] != "full"), *specs]))
     return (kept + rows, order, sorted({*budgets, *(r["budget"] for r in kept if r["config"] != "full")}),
-            old.get("commands", [old["command"]]))
+            recorded_commands(old))
 
 
 def write(rows: list[dict], info: dict, out: str, specs: list[str], budgets: list[float],

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one is not None:
         print(json.dumps(one_length(args)))
         return 0
-    from .common import command, commands_with, run_info
+    from .common import command, commands_with, recorded_commands, run_info
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = sorted([r for r in prev["rows"] if (r["length"], r["method"]) not in keys] + rows,
                   key=lambda r: (r["length"], r["method"]))
     meta = run_info(args.model, args.threads)
-    meta["commands"] = commands_with(prev["meta"].get("commands", []), command())
+    meta["commands"] = commands_with(recorded_commands(prev["meta"]), command())
     js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     md = render(rows, meta)
     out.with_name(out.name + ".md").write_text("\n".join(md) + "\n")

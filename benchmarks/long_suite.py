@@ -172,7 +172,7 @@ def merge(js: Path, recs: list[dict], args) -> None:
 
 
 def _merge(js: Path, recs: list[dict], args) -> None:
-    from .common import commands_with, run_info
+    from .common import commands_with, recorded_commands, run_info
 
     data = _load(js)
 
@@ -184,7 +184,7 @@ def _merge(js: Path, recs: list[dict], args) -> None:
     records.sort(key=lambda r: (r["length"], r["task"], r["index"]))
     meta = run_info(args.model, args.threads, seed=args.seed, split="test" if args.seed < 1000 else "dev",
                     dtype=args.dtype, chat=args.chat)
-    meta["commands"] = commands_with(data["meta"].get("commands", []), args.command)
+    meta["commands"] = commands_with(recorded_commands(data["meta"]), args.command)
     for k in ("experiment", "run"):
         meta[k] = meta.get(k) or data["meta"].get(k)
     if meta["experiment"] and not meta["run"]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvsum.methods import make_method, prefill_needs
 
-from .common import commands_with, run_info
+from .common import commands_with, recorded_commands, run_info
 
 
 def timed(fn):
@@ -32,7 +32,7 @@ def write_merged(part: str, rows: list[dict], lines, args, merge_key=None, recor
     keys = {merge_key(r) for r in rows} if merge_key else set()
     rows = [r for r in prev["rows"] if merge_key(r) not in keys] + rows
     info = run_info(args.model, args.threads)
-    commands = prev["meta"].get("commands", [prev["meta"]["command"]] if "command" in prev["meta"] else [])
+    commands = recorded_commands(prev["meta"])
     info["commands"] = commands_with(commands, info["command"]) if record else commands
     if not record:
         info = {**prev["meta"], "commands": commands}

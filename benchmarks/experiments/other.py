@@ -34,6 +34,12 @@ LONG_BF16 = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25", LONG[3], "echokv@0
              spec("snapkv+turboquant", (0.25, 0.1), key_shift=1))  # the flagship with no knobs, by budget
 LONG_TASKS = ("niah_multikey", "niah_multikey_code", "niah_multivalue", "niah_multiquery", "vt", "vt_code", "cwe",
               "fwe")  # the suite beyond NIAH single
+ANSWERED = tuple(t for t in LONG_TASKS if t != "cwe")  # cwe the full cache misses at 16k: one example of it only
+
+
+def bf16(methods: tuple[str, ...], *options: str) -> tuple[str, ...]:
+    """A long_suite invocation on Qwen in bf16 with the chat format (as served; the format chosen on dev seeds)."""
+    return ("--methods", *methods, *options, "--dtype", "bf16", "--chat")
 
 
 def perf(part: str, doc: str, *runs: tuple[str, ...]) -> Experiment:
@@ -110,19 +116,18 @@ EXPERIMENTS = [
     Experiment("long_suite_bf16", "long", "long_suite", "Qwen in bf16 (as served; ~5x faster prefill on this "
                "CPU), chat format (chosen on dev seeds), at 16k-32k: the flagship by budget (0.25 / 0.10 / 0.05) and "
                "each family's best beside the full cache on NIAH single (prose, code)",
-               threads=2, runs=(("--methods", *LONG_BF16, "--lengths", "32768", "16384", "--n", "3", "3", "--dtype",
-                                 "bf16", "--chat"),  # then two more examples a haystack at 16k, the flagship's rows
-                                ("--methods", "full", "summary@0.25,0.1,0.05", LONG_BF16[-1], "--lengths", "16384",
-                                 "--n", "5", "--dtype", "bf16", "--chat"))),
+               threads=2, runs=(bf16(LONG_BF16, "--lengths", "32768", "16384", "--n", "3", "3"),
+                                # then two more examples a haystack at 16k, the flagship's rows
+                                bf16(("full", "summary@0.25,0.1,0.05", LONG_BF16[-1]), "--lengths", "16384", "--n",
+                                     "5"))),
     Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
                "flagship by budget and the best quantization and eviction beside the full cache (a second example "
                "of each but cwe, which the full cache misses; three of them at 32k, the flagship alone)", threads=1,
-               runs=(*(("--methods", "full", "summary@0.25,0.1", LONG[3], "snapkv@0.25", "--tasks", *tasks,
-                        "--lengths", "16384", "--n", n, "--dtype", "bf16", "--chat")
-                       for tasks, n in ((LONG_TASKS, "1"), ([t for t in LONG_TASKS if t != "cwe"], "2"))),
-                     ("--methods", "full", "summary@0.25,0.1", "--tasks", "niah_multikey", "niah_multikey_code", "vt",
-                      "--lengths", "32768", "--n", "1", "--dtype", "bf16", "--chat"))),
+               runs=(*(bf16(("full", "summary@0.25,0.1", LONG[3], "snapkv@0.25"), "--tasks", *tasks, "--lengths",
+                             "16384", "--n", n) for tasks, n in ((LONG_TASKS, "1"), (ANSWERED, "2"))),
+                     bf16(("full", "summary@0.25,0.1"), "--tasks", *LONG_TASKS[:2], "vt", "--lengths", "32768", "--n",
+                          "1"))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))

@@ -51,3 +51,11 @@ def test_every_method_spec_builds():
             if name in ("echokv", "lowrank", "turboquant_one_side"):  # a calibrated artifact / a diagnosis variant
                 continue
             make_method(name, **knobs)
+
+
+def test_a_merged_file_lists_every_run_once_this_one_last():
+    from benchmarks.common import commands_with, recorded_commands
+
+    assert recorded_commands({}) == [] and recorded_commands({"command": "a"}) == ["a"]  # a file of one run
+    assert recorded_commands({"command": "b", "commands": ["a", "b"]}) == ["a", "b"]
+    assert commands_with(["a", "b", "c"], "b") == ["a", "c", "b"] and commands_with([], "a") == ["a"]
