@@ -123,7 +123,8 @@ EXPERIMENTS = [
     Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
                "flagship by budget and the best quantization and eviction beside the full cache (four examples "
-               "of each but cwe, which the full cache misses; three of them at 32k, the flagship alone)", threads=1,
+               "of each but cwe, which the full cache misses; three of them at 32k, the flagship and the full cache "
+               "only)", threads=1,
                runs=(*(bf16(("full", "summary@0.25,0.1", LONG[3], "snapkv@0.25"), "--tasks", *tasks, "--lengths",
                              "16384", "--n", n) for tasks, n in ((LONG_TASKS, "1"), (ANSWERED, "4"))),
                      bf16(("full", "summary@0.25,0.1"), "--tasks", *LONG_TASKS[:2], "vt", "--lengths", "32768", "--n",
