@@ -37,12 +37,13 @@ def _mix_part(acc, w, data, lv, hc, tok, tm, H_codes, C: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, vd_a, vl_a, vd_b, vl_b, k_norm,
-                  v_norm, add, skip, scale, T, M, CHUNK, CK_A: tl.constexpr, KB_A: tl.constexpr, CK_B: tl.constexpr,
-                  KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr, CV_B: tl.constexpr, VB_B: tl.constexpr,
-                  HAS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                  BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
+                  v_norm, add, add_on, skip, scale, T, M, CHUNK, CK_A: tl.constexpr, KB_A: tl.constexpr,
+                  CK_B: tl.constexpr, KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr, CV_B: tl.constexpr,
+                  VB_B: tl.constexpr, HAS_ADD: tl.constexpr, HAS_ON: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
     """Head h = program_id(0), tokens of chunk s = program_id(1): logits scale * k_norm * <q, key levels>
-    (+ add[h, m]; -inf where skip[h, t]), running max / sum / weighted value levels per query row."""
+    (+ add[h, m], times add_on[h, t] where given; -inf where skip[h, t]), running max / sum / weighted value
+    levels per query row."""
     h, s = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(0)
     m = tl.arange(0, BM)
@@ -64,7 +65,10 @@ def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, 
         kn = tl.load(k_norm + h * T + tok, mask=tm, other=0.0).to(tl.float32)
         sc = tl.trans(logit * scale * kn[:, None])  # (BM, BT)
         if HAS_ADD:
-            sc += shift[:, None]
+            if HAS_ON:
+                sc += shift[:, None] * tl.load(add_on + h * T + tok, mask=tm, other=0.0)[None, :]
+            else:
+                sc += shift[:, None]
         keep = tm
         if HAS_SKIP:
             keep = keep & (tl.load(skip + h * T + tok, mask=tm, other=1) == 0)
@@ -101,9 +105,11 @@ def _side(parts: list, q: Tensor | None) -> list:
 
 
 def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor, scale: float,
-          add: Tensor | None = None, skip: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          add: Tensor | None = None, skip: Tensor | None = None,
+          add_on: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Attention of rotated queries qr (H, M, d) over T coded tokens (parts as native.py takes them, at most two a
-    side), logits scale * k_norm[h, t] * <qr, key> + add[h, m], none where skip[h, t] (uint8) is set. Returns the
+    side), logits scale * k_norm[h, t] * <qr, key> + add[h, m] (times add_on[h, t] where given: the tokens it
+    applies to), none where skip[h, t] (uint8) is set. Returns the
     partial (max (H, M), sum of exponentials (H, M), weighted rotated values (H, M, d)), chunks joined."""
     H, M, d = qr.shape
     T = kparts[0][0].shape[0]
@@ -119,11 +125,13 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     acc.append(acc[0] if len(acc) == 1 else acc[1])
     k_norm, v_norm = kernel_input(k_norm), kernel_input(v_norm)
     add = add.float().contiguous() if add is not None else None
+    add_on = add_on.float().contiguous() if add_on is not None else None
     _flash_kernel[(H, S)](
         m_out, l_out, acc[0], acc[1], *_side(kparts, qr), *_side(vparts, None), k_norm, v_norm,
-        add if add is not None else k_norm, skip if skip is not None else k_norm, float(scale), T, M, per,
+        *[x if x is not None else k_norm for x in (add, add_on, skip)], float(scale), T, M, per,
         CK_A=ck[0], KB_A=kb[0], CK_B=ck[1], KB_B=kb[1], CV_A=cv[0], VB_A=vb[0], CV_B=cv[1], VB_B=vb[1],
-        HAS_ADD=add is not None, HAS_SKIP=skip is not None, BT=BT, BM=BM, BC=min(64, next_pow2(max(ck))),
+        HAS_ADD=add is not None, HAS_ON=add_on is not None, HAS_SKIP=skip is not None, BT=BT, BM=BM,
+        BC=min(64, next_pow2(max(ck))),
         BCV_A=next_pow2(cv[0]), BCV_B=next_pow2(max(cv[1], 1)))
     out = qr.new_zeros(S, H, M, d)
     for (_, ix, _), a in zip(vparts, acc):

@@ -21,6 +21,14 @@ from .qjl import qjl_encode, qjl_estimate
 from .rotation import Rotation
 
 
+def _grown(held: Packed | None, bits: Tensor) -> Packed:
+    """1-bit flags (n, ...) appended along tokens to what a state holds, or a new packed store."""
+    if held is None:
+        return Packed(bits, 1)
+    held.append(bits)
+    return held
+
+
 def _after(held: Tensor | None, new: Tensor) -> Tensor:
     """Per-token side data (H, n) appended after what a state holds (H, T), or `new` where it holds none yet."""
     return new if held is None else torch.cat([held, new], 1)
@@ -29,8 +37,10 @@ def _after(held: Tensor | None, new: Tensor) -> Tensor:
 class TurboQuantState:
     """A layer's keys and values as rotated Lloyd-Max codes, fp16 norms (and a QJL sketch of the key residuals).
 
-    With `center`, each head's mean prompt key (fp16) is subtracted before coding and its logit added back
-    exactly: a code's error scales with the norm it codes, and the mean is a large share of a key. (Values are
+    With `center`, each head's mean prompt key (fp16) is subtracted before coding from every key it shortens,
+    and its logit added back exactly: a code's error scales with the norm it codes, and the mean is a large share
+    of a key; the few keys that point away from it (on SmolLM2 " the" in some heads, the very tokens those heads
+    attend to) are coded as they are, one bit a token saying which (`centered`). (Values are
     not centered: their mean is pulled by a few large tokens; see docs/results/quant.md.) A prebuilt `key_codes` (pca's
     KeyTransform, centered itself) replaces the key codes. `extend` quantizes decoding-time tokens into the
     same stores (same rotation, codebooks, channel split, mean)."""
@@ -45,7 +55,7 @@ class TurboQuantState:
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = key_codes
-        self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = None
+        self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = self.centered = None
         self.k_mean = keys.mean(1, keepdim=True).half() if center and key_codes is None else None  # (H, 1, d)
         self.extend(keys, values)
 
@@ -70,7 +80,9 @@ class TurboQuantState:
                 self.k.extend(keys)
             return
         if self.k_mean is not None:
-            keys = keys - self.k_mean.float()
+            on = (keys - self.k_mean.float()).norm(dim=-1) < keys.norm(dim=-1)  # (H, n): the mean shortens these
+            keys = keys - self.k_mean.float() * on[..., None]
+            self.centered = _grown(self.centered, on.T.to(torch.uint8))
         yk, k_norm = self._directions(keys)
         if first:
             self.k = Coded(yk, self.widths[0])
@@ -81,10 +93,7 @@ class TurboQuantState:
             resid = self.R.apply(keys) - k_norm.float()[..., None] * k_hat  # in the rotated basis
             signs, r_norm = qjl_encode(resid, self.S.float())
             signs = signs.transpose(0, 1)  # token-major, as the codes
-            if self.signs is None:
-                self.signs = Packed(signs, 1)
-            else:
-                self.signs.append(signs)
+            self.signs = _grown(self.signs, signs)
             self.r_norm = _after(self.r_norm, r_norm.half())
 
     def _directions(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -105,7 +114,21 @@ class TurboQuantState:
     def nbytes(self) -> int:
         n = self.k.nbytes() + self.v.nbytes() + self.R.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.S,
                                                                                self.r_norm, self.k_mean)
-        return n + (self.signs.nbytes() if self.signs is not None else 0)
+        return n + sum(p.nbytes() for p in (self.signs, self.centered) if p is not None)
+
+    def _on(self) -> Tensor:
+        """(H, T) 1.0 where a key was coded less the mean (a cache saved before the flags: every key)."""
+        flags = getattr(self, "centered", None)
+        return torch.ones(self.H, self.T, device=self.k_mean.device) if flags is None else flags.codes().T.float()
+
+    def _mean_logits(self, q: Tensor, scale: float, runs: Tensor | None = None) -> Tensor:
+        """The mean key's logit, exact, on the keys coded less it: q (..., H, M, d) -> (..., H, M, T); with
+        `runs` (one head's store read in runs, as Coded.dot reads it) (1, H, M, longest run)."""
+        on = self._on()
+        if runs is not None:
+            t = runs[:-1, None].to(on.device) + torch.arange(int((runs[1:] - runs[:-1]).max()), device=on.device)
+            on = on[0, t.clamp_max(self.T - 1)]
+        return (q @ self.k_mean.float().transpose(-1, -2)) * scale * on[:, None, :]
 
     def _signs(self) -> Tensor:
         return self.signs.codes().transpose(0, 1)  # (H, T, m)
@@ -123,7 +146,7 @@ class TurboQuantState:
         if self.signs is not None:
             k = k + self._qjl_keys()
         k = self.R.undo(k)
-        return k if self.k_mean is None else k + self.k_mean.float()
+        return k if self.k_mean is None else k + self.k_mean.float() * self._on()[..., None]
 
     def values(self) -> Tensor:
         return self.R.undo(self.v_norm.float()[..., None] * self.v.lookup())
@@ -138,9 +161,8 @@ class TurboQuantState:
         qr = self.R.apply(q)
         s = self.k.dot(qr, self.k_norm, 1.0) + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(),
                                                              self.S.float())
-        if self.k_mean is not None:
-            s = s + q @ self.k_mean.float().transpose(1, 2)
-        return s * scale
+        s = s * scale
+        return s if self.k_mean is None else s + self._mean_logits(q, scale)
 
     def mix(self, p: Tensor) -> Tensor:
         if self.path == "dequant":
@@ -161,10 +183,10 @@ class TurboQuantState:
 
     def _code_logits(self, q: Tensor, scale: float, **read) -> Tensor:
         """Queries q (1, H, M, d) against the MSE key codes, times `scale`, read as Coded.dot's `read` keywords
-        say; plus the centered keys' mean logit, exact and the same for every token (-inf stays -inf)."""
+        say; plus the mean key's logit on the keys coded less it (-inf stays -inf)."""
         s = self.k.dot(self.R.apply(q), self.k_norm, scale, **read)
         if self.k_mean is not None:
-            s += q @ self.k_mean.float().transpose(1, 2) * scale
+            s += self._mean_logits(q, scale, read.get("runs"))
         return s
 
     def online(self, q: Tensor, scale: float, skip: Tensor | None = None) -> list | None:
@@ -178,8 +200,9 @@ class TurboQuantState:
 
         add = None if self.k_mean is None else (q[0] @ self.k_mean.float().transpose(1, 2))[..., 0] * scale
         skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
+        on = None if self.k_mean is None else self._on()
         m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
-                                    self.k_norm, self.v_norm, scale, add, skip)
+                                    self.k_norm, self.v_norm, scale, add, skip, on)
         return [(m, total, self.R.undo(acc))]
 
     def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:

@@ -32,8 +32,31 @@ def test_centered_keys_add_the_mean_logit_back_exactly_and_cut_the_error_of_offs
     ctr.path = "dequant"
     assert torch.allclose(ctr.scores(q, 0.25), rotated[0], atol=1e-3)
     assert torch.allclose(ctr.mix(p), rotated[1], atol=1e-4)
-    assert ctr.nbytes() == plain.nbytes() + H * d * 2 == make_method("turboquant", center=True, **knobs).nbytes(
-        H, T, d, 2.5)
+    flags = (H * T + 7) // 8  # a bit a key: coded less the mean or as it is
+    assert ctr.nbytes() == plain.nbytes() + H * d * 2 + flags == make_method("turboquant", center=True,
+                                                                             **knobs).nbytes(H, T, d, 2.5)
+
+
+def test_keys_the_mean_would_lengthen_are_coded_as_they_are_in_every_read_path():
+    # real heads attend most to a few small keys that point away from the head's mean (SmolLM2's " the"):
+    # coded less the mean they would carry its norm's error as well
+    H, T, d = 2, 300, 16
+    x = random_layer(H, T, d)
+    offset = 4 * torch.randn(H, 1, d, generator=torch.Generator().manual_seed(2))
+    x.keys = x.keys + offset
+    away = torch.arange(10, T, 30)
+    x.keys[:, away] = -0.3 * offset + 0.3 * torch.randn(H, len(away), d, generator=torch.Generator().manual_seed(3))
+    knobs = dict(bits=2.5, sinks=0, key_shift=0)
+    plain, ctr = (make_method("turboquant", center=c, **knobs).compress(x) for c in (False, True))
+    on = ctr.centered.codes().T.bool()  # (H, T)
+    assert not on[:, away].any() and on.sum() == H * (T - len(away))
+    err = {k: (st.keys() - x.keys)[:, away].norm(dim=-1).mean() for k, st in (("plain", plain), ("ctr", ctr))}
+    assert err["ctr"] <= 1.05 * err["plain"]  # coded as they are, not from the mean's far side
+    q = torch.randn(1, H, 5, d)
+    want = q @ ctr.keys().transpose(-1, -2) * 0.25  # the dequantized keys carry the mean where it was taken
+    assert torch.allclose(ctr.scores(q, 0.25), want, atol=1e-3)
+    ctr.extend(x.keys[:, away], x.values[:, away])  # decoding-time keys get their own flags
+    assert ctr.T == T + len(away) and not ctr.centered.codes().T.bool()[:, T:].any()
 
 
 def test_unbiased_values_make_each_projection_exact_and_remove_the_shrink_an_average_keeps():
