@@ -91,3 +91,25 @@ def test_runs_of_one_head(kernel, device, bits, lengths):
         if n:
             assert rel(s[h, :, :n], 0.5 * kn[a:a + n] * (q[h] @ keys[a:a + n].t()) + add[a:a + n]) <= 1e-5
             assert rel(o[h], (p[h, :, :n] * vn[a:a + n]) @ values[a:a + n]) <= 1e-5
+
+
+def test_runs_of_a_centered_store_add_the_mean_logit_to_the_keys_coded_less_it(kernel, device):
+    """A centered one-head store read in runs (a centered composition's ragged heads): each run's logits are its
+    dequantized keys' (the mean where it was taken off, none where the key was coded as it is), plus `bias`."""
+    lengths, d, M = [30, 0, 45], 64, 2
+    T, H = sum(lengths), len(lengths)
+    torch.manual_seed(5)
+    keys = torch.randn(1, T, d, device=device) + 2.0
+    keys[0, ::7] = -0.5 * keys[0].mean(0)  # pointing away from the mean: coded as they are
+    state = TurboQuant(bits=3, center=True).build(keys, torch.randn(1, T, d, device=device), 3, layer_idx=0)
+    on = state.centered.codes().T.bool()[0]
+    assert not on[::7].any() and on.sum() == T - len(range(0, T, 7))
+    runs = torch.tensor([0, *lengths]).cumsum(0)
+    q, bias = torch.randn(1, H, M, d, device=device), torch.randn(T, device=device)
+    with kernel():
+        s = state.run_scores(q, 0.5, bias, runs)
+    dense = state.keys()[0]
+    for h, (a, n) in enumerate(zip(runs[:-1].tolist(), lengths)):
+        assert (s[0, h, :, n:] == float("-inf")).all()
+        if n:
+            assert rel(s[0, h, :, :n], 0.5 * q[0, h] @ dense[a:a + n].t() + bias[a:a + n]) <= 1e-4

@@ -168,7 +168,8 @@ class TurboQuant(Quantizer):
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         if self.center and self.key_basis == "random":
-            n += H * d * 2 + packed_nbytes(H * T, 1)  # fp16 mean keys, a bit a key: coded less the mean or not
+            n += H * d * 2 + packed_nbytes(H * T, 1) + H * 2  # fp16 mean keys, a bit a key (less the mean or not),
+            # fp16 shrink per head
         return n
 
     def charged_nbytes(self, H: int, T: int, d: int, bits: float, *, shift: int = 0,
