@@ -45,8 +45,17 @@ def calibrated(model, tokenizer, method: str = "all") -> Path:
 
 def command() -> str:
     """The exact command line of this run: the runner and its arguments as `python -m benchmarks run` called it,
-    else the process's own."""
-    return CONTEXT["command"] or shlex.join(["python", *sys.argv])
+    else the process's own, a benchmark module as `python -m benchmarks.<name>` (run as a module, its argv[0] is
+    the file's path, which `python` cannot run: the modules import their package relatively)."""
+    return CONTEXT["command"] or shlex.join([*invocation(sys.argv[0]), *sys.argv[1:]])
+
+
+def invocation(argv0: str) -> list[str]:
+    """How to start the program `argv0` names: a module of this package by its module name."""
+    path = Path(argv0).resolve()
+    if path.suffix == ".py" and path.parent == Path(__file__).resolve().parent:
+        return ["python", "-m", "benchmarks" if path.stem == "__main__" else f"benchmarks.{path.stem}"]
+    return ["python", argv0]
 
 
 def recorded_commands(record: dict) -> list[str]:

@@ -7,7 +7,8 @@ Rows are the eval runner's rows (task, length, method, knobs, budget, n, score, 
 SmolLM2 result under benchmarks/results/. A configuration is (method, knobs, budget); where several files measured
 it, the one with the most examples is used. Fixed-width quantizers (budget 1) fall into the smallest budget their
 bytes fit. Per family and budget the configuration with the best mean retrieval wins (ties: more examples, then
-lower KL), among those measured on at least MIN_N examples per task where any was.
+lower KL), among those measured on at least MIN_N examples per task where any was. Rows of a configuration with
+centered keys measured before centering changed are left out (CENTERED_SINCE).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ LONG_SOURCES = ("long/long_suite_bf16.json", "long/long_suite.json")
 LONG_LENGTHS = (16384, 32768)
 LONG_TASKS = ("niah_single", "niah_single_code")
 MIN_N = 20  # fewer examples than this only where nothing larger was measured (one example is 5 points at 20)
+# centered codes changed (commit 61ff538): a centered configuration measured before is not what it does now
+CENTERED_SINCE = "2026-12-03T23:00"
 ORDER = ("eviction", "quantization", "reconstruction", "summary", "composition")
 
 
@@ -46,9 +49,17 @@ def rows_of(root: Path) -> list[dict]:
             continue
         for r in data.get("rows") or []:
             if isinstance(r, dict) and r.get("task") in (*TASKS, "lm") and "ratio" in r and r.get("n"):
+                if _stale(r, data["meta"].get("date") or ""):
+                    continue
                 if r.get("refused") is None and (r["task"] == "lm" or r.get("score") is not None):
                     out.append({**r, "knobs": _knobs(r), "source": str(path.relative_to(root))})
     return out
+
+
+def _stale(r: dict, date: str) -> bool:
+    """A row of a configuration with centered keys measured before centering changed (CENTERED_SINCE)."""
+    said = json.dumps([r.get("knobs"), r.get("chosen")]).replace(" ", "")
+    return date < CENTERED_SINCE and ('center":true' in said or "center=True" in said)
 
 
 def _knobs(r: dict) -> dict:

@@ -59,3 +59,21 @@ def test_a_merged_file_lists_every_run_once_this_one_last():
     assert recorded_commands({}) == [] and recorded_commands({"command": "a"}) == ["a"]  # a file of one run
     assert recorded_commands({"command": "b", "commands": ["a", "b"]}) == ["a", "b"]
     assert commands_with(["a", "b", "c"], "b") == ["a", "c", "b"] and commands_with([], "a") == ["a"]
+
+
+def test_a_recorded_command_runs_a_benchmark_module_by_its_module_name():
+    # run as `python -m benchmarks.frontier`, argv[0] is the file's path, which `python` cannot run
+    from pathlib import Path
+
+    import benchmarks.frontier
+    from benchmarks.common import invocation, recorded_commands
+
+    assert invocation(benchmarks.frontier.__file__) == ["python", "-m", "benchmarks.frontier"]
+    main = Path(benchmarks.frontier.__file__).with_name("__main__.py")
+    assert invocation(str(main)) == ["python", "-m", "benchmarks"]
+    assert invocation("scripts/x.py") == ["python", "scripts/x.py"]
+    for e in EXPERIMENTS.values():  # and no committed result names one by its path
+        if e.path().suffix == ".json" and not e.pending:
+            record = json.loads(e.path().read_text())
+            for cmd in [*recorded_commands(record), *recorded_commands(record.get("meta") or {})]:
+                assert "benchmarks/" not in cmd.split()[1], (e.name, cmd)
