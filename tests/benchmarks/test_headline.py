@@ -62,10 +62,25 @@ def test_summary_by_budget_rows_are_the_flagship_and_bare_old_rows_its_own_defau
     rows = [row(t, "summary", {}, 90.0, became) for t in ("passkey", "multikey", "lm")]
     rows += [row(t, "summary", {}, 10.0) for t in ("passkey", "multikey", "lm")]
     rows += [row(t, "turboquant", {}, 0.0, refused="does not fit") for t in ("passkey", "multikey")]
-    (tmp_path / "r.json").write_text(json.dumps({"meta": {"model": "smollm2"}, "rows": rows}))
+    (tmp_path / "r.json").write_text(json.dumps({"meta": {"model": "smollm2", "date": "2026-12-04T00:00:00+00:00"},
+                                                 "rows": rows}))
     got = rows_of(tmp_path)
     assert {json.dumps(r["knobs"]) for r in got} == {"{}", '{"by_budget": false}'} and len(got) == 6
     table = frontier(got)
     best = next(r for r in table if r["family"] == "summary")
     assert best["knobs"] == {} and best["chosen"] == became  # the flagship wins its budget
     assert "`summary` (by budget: `summary+turboquant:center=True`)" in _md(table)
+
+
+def test_centered_rows_measured_before_centering_changed_are_left_out(tmp_path):
+    from benchmarks.headline import CENTERED_SINCE, rows_of
+
+    def row(method, knobs, chosen=None):
+        return dict(task="passkey", length=2048, method=method, knobs=knobs, budget=0.25, n=20, score=90.0,
+                    full_score=100.0, ratio=0.25, **({"chosen": chosen} if chosen else {}))
+
+    rows = [row("summary", {"cover_bits": 3.5, "cover_center": True}), row("summary", {}, ["turboquant:center=True"]),
+            row("turboquant", {"center": True}), row("turboquant", {})]
+    for date, kept in (("2026-12-01T10:00:00+00:00", 1), (CENTERED_SINCE + ":01+00:00", 4)):
+        (tmp_path / "r.json").write_text(json.dumps({"meta": {"model": "smollm2", "date": date}, "rows": rows}))
+        assert len(rows_of(tmp_path)) == kept

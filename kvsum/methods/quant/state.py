@@ -21,14 +21,6 @@ from .qjl import qjl_encode, qjl_estimate
 from .rotation import Rotation
 
 
-def _grown(held: Packed | None, bits: Tensor) -> Packed:
-    """1-bit flags (n, ...) appended along tokens to what a state holds, or a new packed store."""
-    if held is None:
-        return Packed(bits, 1)
-    held.append(bits)
-    return held
-
-
 def _after(held: Tensor | None, new: Tensor) -> Tensor:
     """Per-token side data (H, n) appended after what a state holds (H, T), or `new` where it holds none yet."""
     return new if held is None else torch.cat([held, new], 1)
@@ -40,7 +32,7 @@ class TurboQuantState:
     With `center`, each head's mean prompt key (fp16) is subtracted before coding from every key it shortens,
     and its logit added back exactly: a code's error scales with the norm it codes, and the mean is a large share
     of a key; the few keys that point away from it (on SmolLM2 " the" in some heads, the very tokens those heads
-    attend to) are coded as they are, one bit a token saying which (`centered`). (Values are
+    attend to) are coded as they are, the sign bit of their fp16 norm (always positive) saying which. (Values are
     not centered: their mean is pulled by a few large tokens; see docs/results/quant.md.) A prebuilt `key_codes` (pca's
     KeyTransform, centered itself) replaces the key codes. `extend` quantizes decoding-time tokens into the
     same stores (same rotation, codebooks, channel split, mean)."""
@@ -55,7 +47,7 @@ class TurboQuantState:
         self.widths = widths  # (keys' MSE code width, values'), TurboQuant.widths(bits)
         self.T = 0
         self.k = key_codes
-        self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = self.centered = self.k_shrink = None
+        self.v = self.k_norm = self.v_norm = self.signs = self.r_norm = self.k_shrink = None
         self.k_mean = keys.mean(1, keepdim=True).half() if center and key_codes is None else None  # (H, 1, d)
         self.extend(keys, values)
 
@@ -82,7 +74,6 @@ class TurboQuantState:
         if self.k_mean is not None:
             on = (keys - self.k_mean.float()).norm(dim=-1) < keys.norm(dim=-1)  # (H, n): the mean shortens these
             keys = keys - self.k_mean.float() * on[..., None]
-            self.centered = _grown(self.centered, on.T.to(torch.uint8))
         yk, k_norm = self._directions(keys)
         if first:
             self.k = Coded(yk, self.widths[0])
@@ -90,12 +81,15 @@ class TurboQuantState:
         if first and self.k_mean is not None:  # what the codes shrink a key by, on average: the mean's share it keeps
             self.k_shrink = (1 - (yk * k_hat).sum(-1).mean(1, keepdim=True)).half()  # (H, 1)
         k_norm = self._gain(k_norm, yk, k_hat, "keys")
-        self.k_norm = _after(self.k_norm, k_norm)
+        self.k_norm = _after(self.k_norm, k_norm if self.k_mean is None else torch.where(on, k_norm, -k_norm))
         if self.qjl:
             resid = self.R.apply(keys) - k_norm.float()[..., None] * k_hat  # in the rotated basis
             signs, r_norm = qjl_encode(resid, self.S.float())
             signs = signs.transpose(0, 1)  # token-major, as the codes
-            self.signs = _grown(self.signs, signs)
+            if self.signs is None:
+                self.signs = Packed(signs, 1)
+            else:
+                self.signs.append(signs)
             self.r_norm = _after(self.r_norm, r_norm.half())
 
     def _directions(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,18 +110,20 @@ class TurboQuantState:
     def nbytes(self) -> int:
         n = self.k.nbytes() + self.v.nbytes() + self.R.nbytes() + tensor_bytes(self.k_norm, self.v_norm, self.S,
                                                                                self.r_norm, self.k_mean, self.k_shrink)
-        return n + sum(p.nbytes() for p in (self.signs, self.centered) if p is not None)
+        return n + (self.signs.nbytes() if self.signs is not None else 0)
+
+    def _norms(self) -> Tensor:
+        """The keys' fp16 norms (centered codes keep which keys were coded less the mean in their sign bit)."""
+        return self.k_norm if self.k_mean is None else self.k_norm.abs()
 
     def _on(self) -> Tensor:
         """(H, T) the share of the mean each key's reconstruction adds back: 1 where it was coded less the mean (a
-        cache saved before the flags: every key); where coded as it is, what the codes shrink a key by, so both
-        kinds shrink toward the mean alike (Lloyd-Max codes shrink each vector by about their distortion, 12% at 2
-        bits: a key shrunk toward zero would read that share of the mean's logit low beside its centered peers)."""
-        flags = getattr(self, "centered", None)
-        if flags is None:
-            return torch.ones(self.H, self.T, device=self.k_mean.device)
-        on = flags.codes().T.float()
-        return on + (1 - on) * self.k_shrink.float()
+        cache saved before: every key); where coded as it is (a negative norm), the share the codes shrink a key by,
+        so both kinds shrink toward the mean alike (Lloyd-Max codes shrink each vector by about their distortion,
+        12% at 2 bits: a key shrunk toward zero would read that share of the mean's logit low beside the rest)."""
+        on = (~torch.signbit(self.k_norm)).float()
+        shrink = getattr(self, "k_shrink", None)
+        return on if shrink is None else on + (1 - on) * shrink.float()
 
     def _mean_logits(self, q: Tensor, scale: float, runs: Tensor | None = None) -> Tensor:
         """The mean key's logit, exact, on the keys coded less it: q (..., H, M, d) -> (..., H, M, T); with
@@ -150,7 +146,7 @@ class TurboQuantState:
         """Dequantized keys (H, T, d) in the original basis."""
         if isinstance(self.k, KeyTransform):
             return self.k.keys()
-        k = self.k_norm.float()[..., None] * self.k.lookup()
+        k = self._norms().float()[..., None] * self.k.lookup()
         if self.signs is not None:
             k = k + self._qjl_keys()
         k = self.R.undo(k)
@@ -167,7 +163,7 @@ class TurboQuantState:
         if self.signs is None:  # the scale inside the codes' pass (the kernel's, where it serves)
             return self._code_logits(q, scale)
         qr = self.R.apply(q)
-        s = self.k.dot(qr, self.k_norm, 1.0) + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(),
+        s = self.k.dot(qr, self._norms(), 1.0) + qjl_estimate(qr, self._signs().bool(), self.r_norm.float(),
                                                              self.S.float())
         s = s * scale
         return s if self.k_mean is None else s + self._mean_logits(q, scale)
@@ -192,7 +188,7 @@ class TurboQuantState:
     def _code_logits(self, q: Tensor, scale: float, **read) -> Tensor:
         """Queries q (1, H, M, d) against the MSE key codes, times `scale`, read as Coded.dot's `read` keywords
         say; plus the mean key's logit on the keys coded less it (-inf stays -inf)."""
-        s = self.k.dot(self.R.apply(q), self.k_norm, scale, **read)
+        s = self.k.dot(self.R.apply(q), self._norms(), scale, **read)
         if self.k_mean is not None:
             s += self._mean_logits(q, scale, read.get("runs"))
         return s
@@ -210,7 +206,7 @@ class TurboQuantState:
         skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
         on = None if self.k_mean is None else self._on()
         m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
-                                    self.k_norm, self.v_norm, scale, add, skip, on)
+                                    self._norms(), self.v_norm, scale, add, skip, on)
         return [(m, total, self.R.undo(acc))]
 
     def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:

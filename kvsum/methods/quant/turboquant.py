@@ -62,7 +62,7 @@ class TurboQuant(Quantizer):
         key_basis: "random" (the rotation) or "pca": keys coded on each head's principal axes (pca.py).
         outliers: with pca, the share of each head's prompt tokens its codes serve worst, kept exact.
         center: keys coded less each head's prompt mean (fp16, counted), whose logit is exact, where that
-            shortens them (a bit a key, counted).
+            shortens them (the sign bit of each key's fp16 norm says which).
         rotation: "qr" (dense Haar-random, d*d*2 bytes a layer) or "hadamard" (seeded signs, d bytes).
         unbiased: sides ("values", "keys", "both") read with |x| / <y, y_hat>, undoing the codes' shrink.
         pre_rope: with pca, keys coded as before RoPE (un-rotated by position, the model's Llama-form RoPE).
@@ -168,8 +168,8 @@ class TurboQuant(Quantizer):
         if self.qjl:
             n += packed_nbytes(H * T * d, 1) + H * T * 2 + d * d * 2  # sign bits, fp16 |r|, fp16 S
         if self.center and self.key_basis == "random":
-            n += H * d * 2 + packed_nbytes(H * T, 1) + H * 2  # fp16 mean keys, a bit a key (less the mean or not),
-            # fp16 shrink per head
+            n += H * d * 2 + H * 2  # fp16 mean keys and shrink a head (which keys were coded less the mean: the
+            # sign bits of their fp16 norms)
         return n
 
     def charged_nbytes(self, H: int, T: int, d: int, bits: float, *, shift: int = 0,

@@ -32,7 +32,7 @@ def test_centered_keys_add_the_mean_logit_back_exactly_and_cut_the_error_of_offs
     ctr.path = "dequant"
     assert torch.allclose(ctr.scores(q, 0.25), rotated[0], atol=1e-3)
     assert torch.allclose(ctr.mix(p), rotated[1], atol=1e-4)
-    flags = (H * T + 7) // 8 + H * 2  # a bit a key (coded less the mean or as it is), an fp16 shrink a head
+    flags = H * 2  # an fp16 shrink a head; which keys were coded less the mean: their norms' sign bits
     assert ctr.nbytes() == plain.nbytes() + H * d * 2 + flags == make_method("turboquant", center=True,
                                                                              **knobs).nbytes(H, T, d, 2.5)
 
@@ -48,7 +48,7 @@ def test_keys_the_mean_would_lengthen_are_coded_as_they_are_in_every_read_path()
     x.keys[:, away] = -0.3 * offset + 0.3 * torch.randn(H, len(away), d, generator=torch.Generator().manual_seed(3))
     knobs = dict(bits=2.5, sinks=0, key_shift=0)
     plain, ctr = (make_method("turboquant", center=c, **knobs).compress(x) for c in (False, True))
-    on = ctr.centered.codes().T.bool()  # (H, T)
+    on = ~torch.signbit(ctr.k_norm)  # (H, T): the sign bit of each key's fp16 norm says which
     assert not on[:, away].any() and on.sum() == H * (T - len(away))
     # coded as they are, not from the mean's far side: their codes' error is the uncentered codes', and they get
     # back the share of the mean the codes shrink every key by (so they shrink toward the mean as the rest do)
@@ -60,7 +60,7 @@ def test_keys_the_mean_would_lengthen_are_coded_as_they_are_in_every_read_path()
     want = q @ ctr.keys().transpose(-1, -2) * 0.25  # the dequantized keys carry the mean where it was taken
     assert torch.allclose(ctr.scores(q, 0.25), want, atol=1e-3)
     ctr.extend(x.keys[:, away], x.values[:, away])  # decoding-time keys get their own flags
-    assert ctr.T == T + len(away) and not ctr.centered.codes().T.bool()[:, T:].any()
+    assert ctr.T == T + len(away) and torch.signbit(ctr.k_norm[:, T:]).all()
 
 
 def test_unbiased_values_make_each_projection_exact_and_remove_the_shrink_an_average_keeps():
