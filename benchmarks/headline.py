@@ -47,9 +47,10 @@ def rows_of(root: Path) -> list[dict]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or (data.get("meta") or {}).get("model") != "smollm2":
             continue
+        date = data["meta"].get("date") or ""
         for r in data.get("rows") or []:
             if isinstance(r, dict) and r.get("task") in (*TASKS, "lm") and "ratio" in r and r.get("n"):
-                if _stale(r, data["meta"].get("date") or ""):
+                if _stale(r, date):
                     continue
                 if r.get("refused") is None and (r["task"] == "lm" or r.get("score") is not None):
                     out.append({**r, "knobs": _knobs(r), "source": str(path.relative_to(root))})

@@ -72,8 +72,9 @@ class TurboQuantState:
                 self.k.extend(keys)
             return
         if self.k_mean is not None:
-            on = (keys - self.k_mean.float()).norm(dim=-1) < keys.norm(dim=-1)  # (H, n): the mean shortens these
-            keys = keys - self.k_mean.float() * on[..., None]
+            less = keys - self.k_mean.float()
+            on = less.norm(dim=-1) < keys.norm(dim=-1)  # (H, n): the keys the mean shortens
+            keys = torch.where(on[..., None], less, keys)
         yk, k_norm = self._directions(keys)
         if first:
             self.k = Coded(yk, self.widths[0])
@@ -125,14 +126,18 @@ class TurboQuantState:
         shrink = getattr(self, "k_shrink", None)
         return on if shrink is None else on + (1 - on) * shrink.float()
 
+    def _mean_logit(self, q: Tensor, scale: float) -> Tensor:
+        """The mean key's logit for each query row, exact: q (..., H, M, d) -> (..., H, M, 1)."""
+        return q @ self.k_mean.float().transpose(-1, -2) * scale
+
     def _mean_logits(self, q: Tensor, scale: float, runs: Tensor | None = None) -> Tensor:
-        """The mean key's logit, exact, on the keys coded less it: q (..., H, M, d) -> (..., H, M, T); with
+        """The mean key's logit on each key, in the share `_on` gives: q (..., H, M, d) -> (..., H, M, T); with
         `runs` (one head's store read in runs, as Coded.dot reads it) (1, H, M, longest run)."""
         on = self._on()
         if runs is not None:
             t = runs[:-1, None].to(on.device) + torch.arange(int((runs[1:] - runs[:-1]).max()), device=on.device)
             on = on[0, t.clamp_max(self.T - 1)]
-        return (q @ self.k_mean.float().transpose(-1, -2)) * scale * on[:, None, :]
+        return self._mean_logit(q, scale) * on[:, None, :]
 
     def _signs(self) -> Tensor:
         return self.signs.codes().transpose(0, 1)  # (H, T, m)
@@ -202,9 +207,10 @@ class TurboQuantState:
             return None
         from ...kernels import flash
 
-        add = None if self.k_mean is None else (q[0] @ self.k_mean.float().transpose(1, 2))[..., 0] * scale
+        add = on = None
+        if self.k_mean is not None:  # the mean's logit per query row, times each key's share of it
+            add, on = self._mean_logit(q[0], scale)[..., 0], self._on()
         skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
-        on = None if self.k_mean is None else self._on()
         m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
                                     self._norms(), self.v_norm, scale, add, skip, on)
         return [(m, total, self.R.undo(acc))]
