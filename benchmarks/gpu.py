@@ -11,6 +11,14 @@ allocated while stepping, and the prefill and compression seconds.
     python -m benchmarks.gpu                       # qwen2.5-coder-0.5b, bf16, 4k..32k, the four methods below
     python -m benchmarks.gpu --lengths 4096 --rounds 5 --out /tmp/gpu   # a quick look
 
+A GPU machine that cannot install the bundled model (no registry, a 64 MiB upload) takes `--random-weights DIR`:
+DIR holds the bundled model's config.json and tokenizer files (`python -m benchmarks.gpu --export DIR` copies them
+from the converted model here), and the model is built from that config with seeded random weights. Step times,
+bytes held and compression times depend on the shapes, which are the bundled model's; only quality would need the
+real weights, and this benchmark measures none. benchmarks/gpu.sh runs the kernel tests on the GPU and then this.
+A configuration that fails is printed with its traceback and named in the page's `failed`; the others still run.
+The page is rewritten after each length, so a run cut short keeps what it measured.
+
 Without CUDA (or without triton) it refuses in one line with exit code 2. `--device cpu` runs the script itself
 at small --lengths for a smoke check (the CPU kernel then serves, not Triton: not the benchmark).
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -38,7 +47,48 @@ def parser():
     ap.add_argument("--rounds", type=int, default=20, help="timed steps per cache (medians)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the model's dtype")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run of the script)")
+    ap.add_argument("--random-weights", metavar="DIR", help="build the model from DIR's config with random weights")
+    ap.add_argument("--export", metavar="DIR", help="copy --model's config and tokenizer files to DIR and stop")
     return ap
+
+
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja")
+
+
+def export(model: str, folder: str) -> None:
+    """The files --random-weights reads, copied from the converted bundled model (weights left behind)."""
+    import shutil
+    from pathlib import Path
+
+    from kvsum.models import resolve
+
+    src, dst = resolve(model), Path(folder)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in CONFIG_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+
+
+def load(args):
+    """(model, tokenizer) on args.device: the bundled model, or its shapes with seeded random weights."""
+    import kvsum
+
+    dtype = DTYPES[args.dtype]
+    if not args.random_weights:
+        model, tok = kvsum.load_model(args.model, dtype=dtype)
+        return model.to(args.device), tok
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvsum.attention import use_kvsum_attention
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(args.random_weights)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    use_kvsum_attention(model)
+    return model, AutoTokenizer.from_pretrained(args.random_weights)
 
 
 def refusal(device: str) -> str | None:
@@ -68,14 +118,29 @@ def _timed(fn, device: str):
     return out, time.perf_counter() - t
 
 
+def attempt(failed: list, what: str, fn):
+    """fn(), or None where it fails: a budget the length cannot hold is said; any other failure is printed with its
+    traceback and kept in `failed`, and the run goes on without that configuration."""
+    from kvsum.errors import KVSumError
+
+    try:
+        return fn()
+    except KVSumError as e:
+        print(f"{what}: {e}", flush=True)
+    except Exception as e:  # noqa: BLE001 (a device run is short: one failure must not cost the others)
+        traceback.print_exc()
+        failed.append(f"{what}: {type(e).__name__}: {e}")
+    return None
+
+
 @torch.no_grad()
-def steps(model, caches: dict, token: torch.Tensor, rounds: int, device: str) -> dict:
+def steps(model, caches: dict, token: torch.Tensor, rounds: int, device: str, failed: list, L: int) -> dict:
     """Per cache: median step seconds and peak memory allocated while stepping (bytes; 0 on the CPU)."""
+    for k, cache in list(caches.items()):  # warm-up (Triton compiles each kernel once per shape class)
+        if attempt(failed, f"{k} at {L} (decode)", lambda c=cache: (model(token, cache=c), c.crop(-1))) is None:
+            del caches[k]
     times = {k: [] for k in caches}
     peak = {}
-    for cache in caches.values():  # warm-up (Triton compiles each kernel once per shape class)
-        model(token, cache=cache)
-        cache.crop(-1)
     for r in range(rounds):
         for k, cache in caches.items():
             if device.startswith("cuda") and r == 0:
@@ -89,9 +154,9 @@ def steps(model, caches: dict, token: torch.Tensor, rounds: int, device: str) ->
 
 
 @torch.no_grad()
-def measure(model, tok, args) -> list[dict]:
+def measure(model, tok, args, rows: list, failed: list, done) -> None:
+    """Rows per length and method into `rows` (failures into `failed`); done() after each length."""
     import kvsum
-    from kvsum.errors import KVSumError
     from kvsum.eval.text import prose_ids
     from kvsum.methods import make_method, prefill_needs
 
@@ -101,27 +166,28 @@ def measure(model, tok, args) -> list[dict]:
     made = {s: (make_method(name, **knobs), (budgets or [0.25])[0]) for s, (name, knobs, budgets) in
             zip(args.methods, specs)}
     ids = prose_ids(tok, max(args.lengths)).to(args.device)
-    rows = []
     for L in sorted(args.lengths):
         caches, info = {}, {}
         prefills = {}
         for spec, (method, budget) in [("full", (make_method("full"), 1.0)), *made.items()]:
             opts = tuple(sorted(prefill_needs([method]).items()))
             if opts not in prefills:
-                prefills[opts] = _timed(lambda o=dict(opts), x=ids[:, :L]: kvsum.prefill(model, x, tokenizer=tok, **o),
-                                        args.device)
-            pre, t_pre = prefills[opts]
-            try:
-                cache, t_comp = _timed(lambda m=method, b=budget, p=pre: kvsum.compress_prefill(p, m, b), args.device)
-            except KVSumError as e:  # a budget this length cannot hold: said, and the others still run
-                print(f"{spec} at {L}: {e}", flush=True)
+                prefills[opts] = attempt(failed, f"prefill {dict(opts)} at {L}", lambda o=dict(opts), x=ids[:, :L]:
+                                         _timed(lambda: kvsum.prefill(model, x, tokenizer=tok, **o), args.device))
+            if prefills[opts] is None:
                 continue
+            pre, t_pre = prefills[opts]
+            done_ = attempt(failed, f"{spec} at {L}", lambda m=method, b=budget, p=pre:
+                            _timed(lambda: kvsum.compress_prefill(p, m, b), args.device))
+            if done_ is None:
+                continue
+            cache, t_comp = done_
             caches[spec] = cache
             info[spec] = dict(budget=budget, prefill_s=t_pre, compress_s=t_comp, kv_bytes=cache.nbytes(),
                               full_kv_bytes=cache.reference_nbytes)
         del prefills
-        timed = steps(model, caches, ids[:, :1], args.rounds, args.device)
-        full_step = timed["full"][0]
+        timed = steps(model, caches, ids[:, :1], args.rounds, args.device, failed, L)
+        full_step = timed["full"][0] if "full" in timed else float("nan")
         for spec, (s, peak) in timed.items():
             i = info[spec]
             rows.append(dict(length=L, method=spec.rpartition("@")[0] or spec, **i, step_ms=s * 1e3,
@@ -131,10 +197,10 @@ def measure(model, tok, args) -> list[dict]:
         del caches
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return rows
+        done()
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], failed: list[str]) -> list[str]:
     out = ["Median one-token decode step over each cache (round-robin, CUDA-synchronised) and over the full "
            "cache's (SDPA); KV bytes held (cache.nbytes()) and the full cache's (16-bit) over them; CUDA memory "
            "allocated at the step's peak (weights included); prefill and compression seconds.", "",
@@ -144,28 +210,31 @@ def table(rows: list[dict]) -> list[str]:
         out.append(f"| {r['length']} | `{r['method']}` | {r['budget']:g} | {r['step_ms']:.2f} | {r['over_full']:.2f} | "
                    f"{r['kv_bytes'] / 2 ** 20:.1f} | {r['kv_less']:.2f} | {r['step_peak_mib']:.0f} | "
                    f"{r['prefill_s']:.2f} | {r['compress_s']:.2f} |")
-    return out
+    return out + ([""] + [f"Failed: {f}" for f in failed] if failed else [])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.export:
+        export(args.model, args.export)
+        return 0
     why = refusal(args.device)
     if why:
         print(why, file=sys.stderr)
         return 2
-    import kvsum
-
     from .common import write_page
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = kvsum.load_model(args.model, dtype=DTYPES[args.dtype])
-    model.to(args.device)
-    rows = measure(model, tok, args)
+    model, tok = load(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    write_page(rows, args, t0, "The GPU path: decode step, KV memory, prefill + compression", table(rows),
-               device=device, dtype=args.dtype)
-    return 0
+    rows, failed = [], []
+    weights = "random (seeded; the bundled model's config)" if args.random_weights else "the bundled model's"
+    title = "The GPU path: decode step, KV memory, prefill + compression"
+    measure(model, tok, args, rows, failed, lambda: write_page(rows, args, t0, title, table(rows, failed),
+                                                               device=device, dtype=args.dtype, weights=weights,
+                                                               failed=failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
