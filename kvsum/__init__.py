@@ -23,9 +23,8 @@ import importlib
 import sys
 import types
 
+from ._version import __version__  # noqa: F401 (public)
 from .errors import KVSumError
-
-__version__ = "0.1.0"
 
 # Each public name and the module that defines it, imported on first use: `import kvsum` (and so `kvsum --help`
 # and kvsum.spec) needs no torch.

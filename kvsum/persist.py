@@ -21,19 +21,18 @@ import importlib
 import json
 import os
 import uuid
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ._version import __version__  # not installed metadata: a source checkout has none
 from .errors import KVSumError
 from .shape import fingerprint as model_fingerprint
 from .spec import format_value
 
 FORMAT = 1  # the file layout this kvsum writes and reads
-__version__ = version("kvsum")
 SUFFIX = ".kvsum"
 
 
