@@ -153,6 +153,58 @@ def steps(model, caches: dict, token: torch.Tensor, rounds: int, device: str, fa
     return {k: (statistics.median(v), peak.get(k, 0)) for k, v in times.items()}
 
 
+def _bench(fn, device: str, graph: bool = False) -> float | None:
+    """Median seconds of fn(): on CUDA by triton's do_bench (eager: launches and Python included) or, with
+    `graph`, by replaying a CUDA graph of it (the GPU's time alone; None where fn cannot be captured); on the
+    CPU by the clock (no graph)."""
+    if not device.startswith("cuda"):
+        if graph:
+            return None
+        times = []
+        for _ in range(10):
+            _, s = _timed(fn, device)
+            times.append(s)
+        return statistics.median(times)
+    import triton.testing
+
+    try:
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    except Exception as e:  # noqa: BLE001 (a state whose read path cannot be captured: said on its row)
+        print(f"no {'graph' if graph else 'timing'}: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+@torch.no_grad()
+def step_attention(model, cache, device: str) -> dict:
+    """The attention of one decoding step alone, every layer in turn, as the model's attention calls run it: SDPA
+    over each full layer, kvsum's joint attention over each compressed state and a one-token tail. Eager and GPU
+    (CUDA graph) seconds, and the bytes the layers hold (with the whole model's layers, more than the GPU's L2)."""
+    import torch.nn.functional as F
+
+    from kvsum.attention import joint_attention
+
+    g = torch.Generator(device=device).manual_seed(0)
+    calls, held = [], 0
+    for layer in cache.layers:
+        H, d = layer.keys.shape[1], layer.keys.shape[3]
+        q, k1, v1 = (torch.randn(1, n, 1, d, generator=g, device=device, dtype=model.dtype)
+                     for n in (model.config.num_attention_heads, H, H))
+        keys, values = torch.cat([layer.keys, k1], 2), torch.cat([layer.values, v1], 2)
+        held += layer.nbytes() + k1.nbytes + v1.nbytes
+        if layer.state is None:
+            calls.append(lambda q=q, k=keys, v=values, c=d ** -0.5: F.scaled_dot_product_attention(
+                q, k, v, scale=c, enable_gqa=True))
+        else:
+            calls.append(lambda s=layer.state, q=q, k=keys, v=values, c=d ** -0.5: joint_attention(s, q, k, v, None, c))
+
+    def fn():
+        for call in calls:
+            call()
+    return dict(attn_s=_bench(fn, device), attn_gpu_s=_bench(fn, device, graph=True), attn_bytes=held)
+
+
 @torch.no_grad()
 def measure(model, tok, args, rows: list, failed: list, done) -> None:
     """Rows per length and method into `rows` (failures into `failed`); done() after each length."""
@@ -187,17 +239,34 @@ def measure(model, tok, args, rows: list, failed: list, done) -> None:
                               full_kv_bytes=cache.reference_nbytes)
         del prefills
         timed = steps(model, caches, ids[:, :1], args.rounds, args.device, failed, L)
+        for spec in timed:  # after the steps: a call that cannot be captured in a graph is tried last
+            info[spec].update(attempt(failed, f"{spec} at {L} (attention alone)",
+                                      lambda c=caches[spec]: step_attention(model, c, args.device)) or {})
         full_step = timed["full"][0] if "full" in timed else float("nan")
         for spec, (s, peak) in timed.items():
             i = info[spec]
             rows.append(dict(length=L, method=spec.rpartition("@")[0] or spec, **i, step_ms=s * 1e3,
                              over_full=s / full_step, kv_less=i["full_kv_bytes"] / max(1, i["kv_bytes"]),
-                             step_peak_mib=peak / 2 ** 20))
+                             step_peak_mib=peak / 2 ** 20, **_over_sdpa(i, info.get("full"))))
             print(rows[-1], flush=True)
         del caches
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         done()
+
+
+def _over_sdpa(i: dict, full: dict | None) -> dict:
+    """The step's attention times over SDPA's on the full cache, and its GPU read rate (GB/s)."""
+    def ratio(key):
+        return i[key] / full[key] if full and i.get(key) and full.get(key) else None
+
+    gpu = i.get("attn_gpu_s")
+    return dict(attn_over_sdpa=ratio("attn_s"), attn_gpu_over_sdpa=ratio("attn_gpu_s"),
+                attn_gb_s=i["attn_bytes"] / gpu / 1e9 if gpu else None)
+
+
+def _f(x, fmt: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, fmt)
 
 
 def table(rows: list[dict], failed: list[str]) -> list[str]:
@@ -210,6 +279,15 @@ def table(rows: list[dict], failed: list[str]) -> list[str]:
         out.append(f"| {r['length']} | `{r['method']}` | {r['budget']:g} | {r['step_ms']:.2f} | {r['over_full']:.2f} | "
                    f"{r['kv_bytes'] / 2 ** 20:.1f} | {r['kv_less']:.2f} | {r['step_peak_mib']:.0f} | "
                    f"{r['prefill_s']:.2f} | {r['compress_s']:.2f} |")
+    out += ["", "The attention of one decoding step alone, every layer in turn (SDPA over the full cache; kvsum's "
+            "joint attention over each state and a one-token tail): eager median (launches and Python included), "
+            "GPU time (a CUDA graph's replays; - where the calls cannot be captured), each over SDPA's, and the "
+            "bytes the layers hold over the GPU time.", "",
+            "| length | method | budget | eager µs | x SDPA | GPU µs | x SDPA | GB/s |", "|---" * 8 + "|"]
+    for r in rows:
+        out.append(f"| {r['length']} | `{r['method']}` | {r['budget']:g} | {_f(r.get('attn_s'), '.1f', 1e6)} | "
+                   f"{_f(r.get('attn_over_sdpa'), '.2f')} | {_f(r.get('attn_gpu_s'), '.1f', 1e6)} | "
+                   f"{_f(r.get('attn_gpu_over_sdpa'), '.2f')} | {_f(r.get('attn_gb_s'), '.0f')} |")
     return out + ([""] + [f"Failed: {f}" for f in failed] if failed else [])
 
 
