@@ -107,34 +107,45 @@ def _eager_of(module):
     return fn
 
 
+def _tail_mask(mask: Tensor | None, q_len: int, t: int, device) -> Tensor | None:
+    """The additive (q, t) float mask over the tail's t tokens, or None where every query sees all of them."""
+    if mask is None:
+        if q_len == 1:  # transformers drops the mask only when a plain causal mask over the tail is meant
+            return None
+        mask = torch.ones(q_len, t, dtype=torch.bool, device=device).tril(t - q_len)
+    m = mask[0, 0] if mask.dim() == 4 else mask  # (q, t): one mask for all heads
+    # a stream may have folded the oldest tail tokens into the state after the mask was built: the mask's last t
+    # columns are the tail's.
+    m = m[..., m.shape[-1] - t:]
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
+    return m.float()
+
+
 def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
                     scaling: float) -> Tensor:
     """softmax over [state entries | tail] for queries (B=1, Hq, q, d); returns (1, q, Hq, d)."""
     _, Hq, q_len, d = query.shape
-    H = key.shape[1]
+    H, t = key.shape[1], key.shape[2]
     G = Hq // H
     qg = query.float().reshape(1, H, G * q_len, d)
+    add = _tail_mask(mask, q_len, t, query.device)
     fused = getattr(state, "online", None)  # a state whose kernel joins the softmax in one pass (CUDA, kvsum.kernels)
     parts = fused(qg, scaling) if fused is not None else None
-    s_state = state.scores(qg, scaling) if parts is None else None  # (1, H, G*q, N)
+    if parts is not None:  # stacked partials, and exact entries read with the tail in one product
+        exact = [p for p in parts if isinstance(p, online.Exact)]
+        k = torch.cat([*(e.keys for e in exact), key[0]], 1).float() if exact else key[0].float()
+        v = torch.cat([*(e.values for e in exact), value[0]], 1).float() if exact else value[0].float()
+        s = torch.bmm(qg[0], k.transpose(1, 2)).mul_(scaling)  # (H, G*q, exact + t): bmm, fewest operations
+        if add is not None:
+            s.view(H, G, q_len, -1)[..., s.shape[-1] - t:] += add
+        joined = online.join([p for p in parts if not isinstance(p, online.Exact)] +
+                             [online.stacked(online.from_scores(s, lambda w: torch.bmm(w, v)))])
+        return online.output(joined).view(1, H * G, q_len, d).transpose(1, 2).to(query.dtype)
+    s_state = state.scores(qg, scaling)  # (1, H, G*q, N)
     s_tail = qg @ key.float().transpose(-1, -2) * scaling  # (1, H, G*q, t)
-    if mask is None:
-        if q_len > 1:  # transformers drops the mask only when a plain causal mask over the tail is meant
-            t = key.shape[2]
-            causal = torch.ones(q_len, t, dtype=torch.bool, device=query.device).tril(t - q_len)
-            mask = causal
-    if mask is not None:
-        m = mask[0, 0] if mask.dim() == 4 else mask  # (q, t): one mask for all heads
-        # a stream may have folded the oldest tail tokens into the state after the mask was built: the
-        # mask's last t columns are the tail's.
-        m = m[..., m.shape[-1] - key.shape[2]:]
-        if m.dtype == torch.bool:
-            m = torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
-        s_tail = (s_tail.view(1, H, G, q_len, -1) + m.float()).view(1, H, G * q_len, -1)
-    if parts is not None:  # partial softmax results of the state's parts, joined with the tail's
-        v = value.float()[0]
-        out = online.output(online.combine([*parts, online.from_scores(s_tail[0], lambda w: w @ v)]))[None]
-        return out.view(1, H * G, q_len, d).transpose(1, 2).to(query.dtype)
+    if add is not None:
+        s_tail = (s_tail.view(1, H, G, q_len, -1) + add).view(1, H, G * q_len, -1)
     n = s_state.shape[-1]
     # nan_to_num: a row with nothing to attend (a padding query over an empty state) gives zeros, not NaN
     p = torch.softmax(torch.cat([s_state, s_tail], dim=-1), dim=-1).nan_to_num_(0.0)

@@ -104,6 +104,14 @@ class EntryState:
                 s[0, h, :, :n] += self.bias[a:a + n].float()
         return s
 
+    def exact(self) -> online.Exact | None:
+        """The entries as (H, n, d) keys and values where every head holds n and there is no bias (exact sinks):
+        joint attention then reads them in one product with the tail."""
+        if not self.uniform or self.bias is not None:
+            return None
+        n, d = self._lengths[0], self.keys.shape[-1]
+        return online.Exact(self.keys.view(self.H, n, d), self.values.view(self.H, n, d))
+
     def _kernel(self, rows: int) -> bool:
         """Whether ragged heads are read by the Triton kernels: CUDA tensors, a decoding step's rows."""
         return rows <= KERNEL_ROWS and kernels.serves(self.keys)
@@ -157,15 +165,18 @@ class ConcatState:
         return sum(part.mix(chunk) for part, chunk in zip(self.parts, p.split(self._sizes, dim=-1)))
 
     def online(self, q: Tensor, scale: float) -> list | None:
-        """The parts as partial softmax results (kvsum/kernels/online.py) where some part has a fused kernel that
-        serves (TurboQuant's codes on CUDA), the others through their scores and mix; None where none has."""
+        """The parts as stacked partial softmax results (kvsum/kernels/online.py) where some part has a fused kernel
+        that serves (TurboQuant's codes on CUDA); the others as their exact entries where they are plain ones, else
+        through their scores and mix. None where no part has a fused kernel."""
         got = [getattr(p, "online", lambda *a: None)(q, scale) for p in self.parts]
         if all(g is None for g in got):
             return None
         out = []
         for part, g in zip(self.parts, got):
-            out += g if g is not None else [online.from_scores(part.scores(q, scale)[0],
-                                                               lambda w, part=part: part.mix(w[None])[0])]
+            if g is None:
+                g = [getattr(part, "exact", lambda: None)() or online.stacked(online.from_scores(
+                    part.scores(q, scale)[0], lambda w, part=part: part.mix(w[None])[0]))]
+            out += g
         return out
 
     def nbytes(self) -> int:

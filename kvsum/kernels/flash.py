@@ -4,8 +4,8 @@ pass over the codes (flash-decoding), never writing a score or a probability to 
 Each program takes one KV head and one chunk of its tokens, decodes key codes into logits for the head's M query
 rows (as codes.py's score kernel does), keeps a running maximum and sum of exponentials, and mixes the decoded
 value codes with the running weights; it writes its partial (max, sum, weighted values in the rotated basis, one
-block per value part). online.py's `combine_stacked` joins the chunks, and joint attention joins the result with the
-exact entries and the full-precision tail in the same softmax.
+block per value part). Joint attention joins the chunks with the exact entries and the full-precision tail in the
+same softmax (online.py's `join`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch import Tensor
 
 from . import chunk, kernel_input, levels_on, next_pow2
 from .codes import BM, BT, _dot_part, _levels
-from .online import combine_stacked
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
@@ -37,13 +36,13 @@ def _mix_part(acc, w, data, lv, hc, tok, tm, H_codes, C: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, vd_a, vl_a, vd_b, vl_b, k_norm,
-                  v_norm, add, add_on, skip, scale, T, M, CHUNK, CK_A: tl.constexpr, KB_A: tl.constexpr,
+                  v_norm, add, shrink, skip, scale, T, M, CHUNK, CK_A: tl.constexpr, KB_A: tl.constexpr,
                   CK_B: tl.constexpr, KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr, CV_B: tl.constexpr,
                   VB_B: tl.constexpr, HAS_ADD: tl.constexpr, HAS_ON: tl.constexpr, HAS_SKIP: tl.constexpr,
                   BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
-    """Head h = program_id(0), tokens of chunk s = program_id(1): logits scale * k_norm * <q, key levels>
-    (+ add[h, m], times add_on[h, t] where given; -inf where skip[h, t]), running max / sum / weighted value
-    levels per query row."""
+    """Head h = program_id(0), tokens of chunk s = program_id(1): logits scale * |k_norm| * <q, key levels>
+    (+ add[h, m]; with HAS_ON times 1 where k_norm's sign bit is clear, else shrink[h]; -inf where skip[h, t]),
+    running max / sum / weighted value levels per query row."""
     h, s = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(0)
     m = tl.arange(0, BM)
@@ -62,11 +61,14 @@ def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, 
         logit = _dot_part(logit, q_a, kd_a, kl_a, h, h, tok, tm, M, H, CK_A, KB_A, BT, BM, BC)
         if CK_B > 0:
             logit = _dot_part(logit, q_b, kd_b, kl_b, h, h, tok, tm, M, H, CK_B, KB_B, BT, BM, BC)
-        kn = tl.load(k_norm + h * T + tok, mask=tm, other=0.0).to(tl.float32)
+        kn_raw = tl.load(k_norm + h * T + tok, mask=tm, other=0.0)
+        kn = tl.abs(kn_raw.to(tl.float32))
         sc = tl.trans(logit * scale * kn[:, None])  # (BM, BT)
         if HAS_ADD:
             if HAS_ON:
-                sc += shift[:, None] * tl.load(add_on + h * T + tok, mask=tm, other=0.0)[None, :]
+                neg = kn_raw.to(tl.int16, bitcast=True) < 0  # fp16's sign bit (-0.0 too)
+                on = tl.where(neg, tl.load(shrink + h).to(tl.float32), 1.0)
+                sc += shift[:, None] * on[None, :]
             else:
                 sc += shift[:, None]
         keep = tm
@@ -106,11 +108,15 @@ def _side(parts: list, q: Tensor | None) -> list:
 
 def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor, scale: float,
           add: Tensor | None = None, skip: Tensor | None = None,
-          add_on: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Attention of rotated queries qr (H, M, d) over T coded tokens (parts as native.py takes them, at most two a
-    side), logits scale * k_norm[h, t] * <qr, key> + add[h, m] (times add_on[h, t] where given: the tokens it
-    applies to), none where skip[h, t] (uint8) is set. Returns the
-    partial (max (H, M), sum of exponentials (H, M), weighted rotated values (H, M, d)), chunks joined."""
+    side), logits scale * |k_norm[h, t]| * <qr, key> + add[h, m], the add times, where `shrink` (H,) is given, 1
+    for a key whose fp16 norm has its sign bit clear and shrink[h] for one whose is set (centered codes' flags, read
+    here rather than expanded at every step); none where skip[h, t] (uint8) is set. Returns the partial per chunk
+    of tokens, stacked (online.py): max (S, H, M), sum of exponentials (S, H, M), weighted rotated values
+    (S, H, M, d)."""
+    if shrink is not None and k_norm.dtype != torch.float16:
+        raise ValueError(f"flags in the norms' sign bits need fp16 norms, got {k_norm.dtype}")
     H, M, d = qr.shape
     T = kparts[0][0].shape[0]
     qr = qr.float().contiguous()
@@ -125,12 +131,11 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     acc.append(acc[0] if len(acc) == 1 else acc[1])
     k_norm, v_norm = kernel_input(k_norm), kernel_input(v_norm)
     add = add.float().contiguous() if add is not None else None
-    add_on = add_on.float().contiguous() if add_on is not None else None
     _flash_kernel[(H, S)](
         m_out, l_out, acc[0], acc[1], *_side(kparts, qr), *_side(vparts, None), k_norm, v_norm,
-        *[x if x is not None else k_norm for x in (add, add_on, skip)], float(scale), T, M, per,
+        *[x if x is not None else k_norm for x in (add, shrink, skip)], float(scale), T, M, per,
         CK_A=ck[0], KB_A=kb[0], CK_B=ck[1], KB_B=kb[1], CV_A=cv[0], VB_A=vb[0], CV_B=cv[1], VB_B=vb[1],
-        HAS_ADD=add is not None, HAS_ON=add_on is not None, HAS_SKIP=skip is not None, BT=BT, BM=BM,
+        HAS_ADD=add is not None, HAS_ON=shrink is not None, HAS_SKIP=skip is not None, BT=BT, BM=BM,
         BC=min(64, next_pow2(max(ck))),
         BCV_A=next_pow2(cv[0]), BCV_B=next_pow2(max(cv[1], 1)))
     out = qr.new_zeros(S, H, M, d)
@@ -139,7 +144,7 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
             out = a
         else:
             out.scatter_(3, ix.long()[None, :, None, :].expand(S, H, M, -1), a)
-    return combine_stacked(m_out, l_out, out)
+    return m_out, l_out, out
 
 
 def skip_mask(flat: Tensor, H: int, T: int) -> Tensor:

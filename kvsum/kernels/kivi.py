@@ -15,7 +15,6 @@ from torch import Tensor
 from . import chunk, levels_on, next_pow2
 from .codes import BM, BT, _levels
 from .flash import _MAX, _SUM, NEG
-from .online import combine_stacked
 
 
 @triton.jit
@@ -161,7 +160,7 @@ def attend(k_codes, v_codes, levels: Tensor, q: Tensor, k_scale: Tensor, k_min: 
            v_min: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Queries q (H, M, d) over KIVI's coded tokens in one pass: keys (G, H, g, d) with k_scale / k_min (G, H, 1, d),
     values (n_q, H, d / ch, ch) with v_scale / v_min (n_q, H, d / ch, 1). Returns the partial (max, sum, values)
-    of kvsum/kernels/online.py, chunks of groups joined."""
+    of kvsum/kernels/online.py per chunk of groups, stacked."""
     G, H, g, d = k_codes.shape
     R, ch = v_codes.shape[2], v_codes.shape[3]
     M = q.shape[1]
@@ -173,4 +172,4 @@ def attend(k_codes, v_codes, levels: Tensor, q: Tensor, k_scale: Tensor, k_min: 
     _flash_kernel[(H, S)](m_out, l_out, acc, q, k_codes.data, v_codes.data, levels_on(levels, q.device), k_scale,
                           k_min, v_scale, v_min, float(scale), G, H, g, M, R, ch, per, D=d, BITS=k_codes.bits,
                           BG=next_pow2(g), BM=BM, BC=_block(d), BD=next_pow2(d))
-    return combine_stacked(m_out, l_out, acc)
+    return m_out, l_out, acc

@@ -2,12 +2,19 @@
 
 A partial is (max logit per query row (H, M), sum of exp(logit - max) (H, M), the values weighted by those
 exponentials (H, M, d)): what a fused kernel (flash.py) returns for the coded tokens without writing any logit
-to memory, and what `from_scores` computes for a part read through scores and mix (exact sinks and windows,
-ragged anchors, the full-precision tail). `combine` rescales the parts to a common maximum and adds them, so the
+to memory, and what `from_scores` computes for a part read through scores and mix (ragged anchors, the exact
+entries and the full-precision tail). `join` rescales the parts to a common maximum and adds them, so the
 joined softmax is the one over all parts' tokens at once. A part with no token has max NEG and sum 0.
+
+A state's `online` returns stacked partials (a leading dim of chunks: a kernel's chunks as it wrote them) and
+`Exact` entries; joint attention scores the exact entries with the tail in one product and joins every chunk in
+one `combine_stacked`. On a GPU a decoding step is bound by the launches of its small operations, not by
+arithmetic, so fewer operations is what makes it fast.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,14 +30,23 @@ def from_scores(s: Tensor, mix) -> tuple[Tensor, Tensor, Tensor]:
     return m, p.sum(-1), mix(p)
 
 
-def combine(parts: list) -> tuple[Tensor, Tensor, Tensor]:
-    """Partials over disjoint tokens -> the partial over all of them."""
-    if len(parts) == 1:
-        return parts[0]
-    top = torch.stack([m for m, _, _ in parts]).amax(0)
-    w = [torch.exp(m - top) for m, _, _ in parts]
-    total = sum(wi * t for wi, (_, t, _) in zip(w, parts))
-    return top, total, sum(wi[..., None] * a for wi, (_, _, a) in zip(w, parts))
+@dataclass(frozen=True)
+class Exact:
+    """Entries a state holds exactly, (H, n, d) keys and values of any float dtype, no bias (sinks, windows): joint
+    attention reads them with the tail."""
+
+    keys: Tensor
+    values: Tensor
+
+
+def stacked(part: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """A partial as a stack of one chunk."""
+    return tuple(t[None] for t in part)
+
+
+def join(parts: list) -> tuple[Tensor, Tensor, Tensor]:
+    """Stacked partials over disjoint tokens -> the partial over all of them."""
+    return combine_stacked(*(torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*parts)))
 
 
 def combine_stacked(m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kvsum.attention import joint_attention  # noqa: E402
-from kvsum.kernels import flash  # noqa: E402
+from kvsum.kernels import flash, online  # noqa: E402
 from kvsum.methods.quant.state import TurboQuantState  # noqa: E402
 from kvsum.methods.quant.turboquant import TurboQuant  # noqa: E402
 from kvsum.state import ConcatState, EntryState  # noqa: E402
@@ -61,7 +61,7 @@ def test_excluded_tokens_and_empty_chunks(device):
     qr = torch.randn(H, M, d, device=device)
     flat = torch.cat([torch.arange(0, 200, device=device), T + torch.arange(0, T, 3, device=device)])
     skip = flash.skip_mask(flat, H, T)
-    m, total, acc = flash.coded(kp, vp, qr, state.k_norm, state.v_norm, 0.2, None, skip)
+    m, total, acc = online.combine_stacked(*flash.coded(kp, vp, qr, state.k_norm, state.v_norm, 0.2, None, skip))
     s = 0.2 * state.k_norm.float()[:, None, :] * (qr @ state.k.lookup().transpose(1, 2))
     p = s.masked_fill(skip.bool()[:, None, :], float("-inf")).softmax(-1)
     ref = (p * state.v_norm.float()[:, None, :]) @ state.v.lookup()
@@ -76,14 +76,12 @@ def test_off_where_the_kernels_do_not_serve(reference, device):
 
 def test_online_leaves_out_skipped_tokens(kernel, reference, device):
     """TurboQuantState.online(skip=flat indices h * T + t): as summary's MaskedState masks its anchors."""
-    from kvsum.kernels import online
-
     H, T, d = 2, 90, 64
     state = _coded(H, T, d, 3.5, device, center=True)
     q = torch.randn(1, H, 3, d, device=device)
     flat = torch.tensor([0, 5, 89, T + 1, T + 40], device=device)
     with kernel():
-        out = online.output(state.online(q, 0.125, skip=flat)[0])
+        out = online.output(online.join(state.online(q, 0.125, skip=flat)))
     with reference():
         s = state.scores(q, 0.125)[0].clone()  # (H, M, T)
         s[flat // T, :, flat % T] = float("-inf")

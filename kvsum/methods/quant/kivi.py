@@ -143,19 +143,17 @@ class KIVIState:
         return (torch.cat(parts, -1) if len(parts) > 1 else s).mul_(scale)[None]
 
     def online(self, q: Tensor, scale: float) -> list | None:
-        """On CUDA, a decoding step over the codes in one fused pass (kvsum/kernels/kivi.py's `attend`), beside the
-        exact sinks' and window's partials (kvsum/kernels/online.py); None where that kernel does not serve."""
+        """On CUDA, a decoding step over the codes in one fused pass (kvsum/kernels/kivi.py's `attend`): its stacked
+        partials, and the exact sinks and window for joint attention to read with the tail (kvsum/kernels/online.py);
+        None where that kernel does not serve."""
         if not (kernels.serves(self.k_scale) and self._native(q.shape[2])):  # the cheap check first: CPU steps
             return None
         from ...kernels import kivi as gpu
 
-        qh = q[0]
-        parts = [gpu.attend(self.k_codes, self.v_codes, _int_levels(self.bits), qh, self.k_scale, self.k_min,
+        parts = [gpu.attend(self.k_codes, self.v_codes, _int_levels(self.bits), q[0], self.k_scale, self.k_min,
                             self.v_scale, self.v_min, scale)]
-        for k, v in ((self.k_sink, self.v_sink), (self.k_res, self.v_res)):
-            if k.shape[1]:
-                parts.append(online.from_scores(qh @ k.float().transpose(-1, -2) * scale, lambda w, v=v: w @ v.float()))
-        return parts
+        return parts + [online.Exact(k, v) for k, v in ((self.k_sink, self.v_sink), (self.k_res, self.v_res))
+                        if k.shape[1]]
 
     def mix(self, p: Tensor) -> Tensor:
         if not self._native(p.shape[2]):

@@ -128,7 +128,8 @@ class TurboQuantState:
 
     def _mean_logit(self, q: Tensor, scale: float) -> Tensor:
         """The mean key's logit for each query row, exact: q (..., H, M, d) -> (..., H, M, 1)."""
-        return q @ self.k_mean.float().transpose(-1, -2) * scale
+        k = self.k_mean.float().transpose(-1, -2)
+        return torch.bmm(q, k).mul_(scale) if q.dim() == 3 else q @ k * scale  # bmm: a decoding step's fewest ops
 
     def _mean_logits(self, q: Tensor, scale: float, runs: Tensor | None = None) -> Tensor:
         """The mean key's logit on each key, in the share `_on` gives: q (..., H, M, d) -> (..., H, M, T); with
@@ -200,20 +201,23 @@ class TurboQuantState:
 
     def online(self, q: Tensor, scale: float, skip: Tensor | None = None) -> list | None:
         """On CUDA, a decoding step's attention over the codes in one fused pass (kvsum/kernels/flash.py): the
-        partial (max, sum, values) that joint attention joins with the exact parts and the tail, no logit written
-        to memory; `skip`: flat indices h * T + t of tokens left out (held exactly elsewhere). None where that
-        kernel does not serve (then `scores` and `mix` do)."""
+        partials (max, sum, values) of its chunks, stacked, that joint attention joins with the exact parts and the
+        tail, no logit written to memory; `skip`: flat indices h * T + t of tokens left out (held exactly
+        elsewhere). None where that kernel does not serve (then `scores` and `mix` do)."""
         if not (kernels.serves(self.v_norm) and self.serves_runs(q.shape[2])):  # the cheap check first: CPU steps
             return None
         from ...kernels import flash
 
-        add = on = None
-        if self.k_mean is not None:  # the mean's logit per query row, times each key's share of it
-            add, on = self._mean_logit(q[0], scale)[..., 0], self._on()
+        add = shrink = None
+        if self.k_mean is not None:  # the mean's logit per query row, times each key's share of it (`_on`, which
+            add = self._mean_logit(q[0], scale)[..., 0]  # the kernel reads from the norms' sign bits)
+            shrink = getattr(self, "k_shrink", None)
+            if shrink is None:  # a cache saved before the flags: no key coded as it is
+                shrink = self.k_norm.new_zeros(self.H)
         skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
         m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
-                                    self._norms(), self.v_norm, scale, add, skip, on)
-        return [(m, total, self.R.undo(acc))]
+                                    self.k_norm, self.v_norm, scale, add, skip, shrink)
+        return [(m, total, self.R.undo(acc))]  # every chunk's values back in the original basis at once
 
     def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:
         """Weights p (1, H, M, longest run) over each head's run -> (1, H, M, d), as `run_scores` reads them."""
