@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, next_pow2
+from . import chunk, kernel_input, levels_on, next_pow2, offsets
 from .codes import BM, BT, _dot_part, _levels
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
@@ -36,15 +36,27 @@ def _mix_part(acc, w, data, lv, hc, tok, tm, H_codes, C: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, vd_a, vl_a, vd_b, vl_b, k_norm,
-                  v_norm, add, shrink, skip, scale, T, M, CHUNK, CK_A: tl.constexpr, KB_A: tl.constexpr,
-                  CK_B: tl.constexpr, KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr, CV_B: tl.constexpr,
-                  VB_B: tl.constexpr, HAS_ADD: tl.constexpr, HAS_ON: tl.constexpr, HAS_SKIP: tl.constexpr,
-                  BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
+                  v_norm, add, shrink, skip, bias, runs, scale, T, M, CHUNK, CK_A: tl.constexpr,
+                  KB_A: tl.constexpr, CK_B: tl.constexpr, KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr,
+                  CV_B: tl.constexpr, VB_B: tl.constexpr, HAS_ADD: tl.constexpr, HAS_ON: tl.constexpr,
+                  HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, RUNS: tl.constexpr, BT: tl.constexpr,
+                  BM: tl.constexpr, BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
     """Head h = program_id(0), tokens of chunk s = program_id(1): logits scale * |k_norm| * <q, key levels>
-    (+ add[h, m]; with HAS_ON times 1 where k_norm's sign bit is clear, else shrink[h]; -inf where skip[h, t]),
-    running max / sum / weighted value levels per query row."""
+    (+ bias[hc, tok]; + add[h, m], with HAS_ON times 1 where k_norm's sign bit is clear, else shrink[hc]; -inf
+    where skip[hc, tok]), running max / sum / weighted value levels per query row. tok = t, hc = h; with RUNS (one
+    store holding every head's entries one run after another) tok = runs[h] + t, hc = 0, up to the run's end."""
     h, s = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(0)
+    if RUNS:
+        base = tl.load(runs + h)
+        n = tl.load(runs + h + 1) - base
+        hc = 0
+        H_codes = 1
+    else:
+        base = 0
+        n = T
+        hc = h
+        H_codes = H
     m = tl.arange(0, BM)
     mm = m < M
     run_max = tl.full((BM,), NEG, tl.float32)
@@ -55,36 +67,39 @@ def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, 
         shift = tl.load(add + h * M + m, mask=mm, other=0.0)
     t0 = s * CHUNK
     for tt in range(t0, t0 + CHUNK, BT):
-        tok = tt + tl.arange(0, BT)
-        tm = tok < T
+        t = tt + tl.arange(0, BT)
+        tm = t < n
+        tok = base + t
         logit = tl.full((BT, BM), 0.0, tl.float32)
-        logit = _dot_part(logit, q_a, kd_a, kl_a, h, h, tok, tm, M, H, CK_A, KB_A, BT, BM, BC)
+        logit = _dot_part(logit, q_a, kd_a, kl_a, h, hc, tok, tm, M, H_codes, CK_A, KB_A, BT, BM, BC)
         if CK_B > 0:
-            logit = _dot_part(logit, q_b, kd_b, kl_b, h, h, tok, tm, M, H, CK_B, KB_B, BT, BM, BC)
-        kn_raw = tl.load(k_norm + h * T + tok, mask=tm, other=0.0)
+            logit = _dot_part(logit, q_b, kd_b, kl_b, h, hc, tok, tm, M, H_codes, CK_B, KB_B, BT, BM, BC)
+        kn_raw = tl.load(k_norm + hc * T + tok, mask=tm, other=0.0)
         kn = tl.abs(kn_raw.to(tl.float32))
         sc = tl.trans(logit * scale * kn[:, None])  # (BM, BT)
+        if HAS_BIAS:
+            sc += tl.load(bias + hc * T + tok, mask=tm, other=0.0).to(tl.float32)[None, :]
         if HAS_ADD:
             if HAS_ON:
                 neg = kn_raw.to(tl.int16, bitcast=True) < 0  # fp16's sign bit (-0.0 too)
-                on = tl.where(neg, tl.load(shrink + h).to(tl.float32), 1.0)
+                on = tl.where(neg, tl.load(shrink + hc).to(tl.float32), 1.0)
                 sc += shift[:, None] * on[None, :]
             else:
                 sc += shift[:, None]
         keep = tm
         if HAS_SKIP:
-            keep = keep & (tl.load(skip + h * T + tok, mask=tm, other=1) == 0)
+            keep = keep & (tl.load(skip + hc * T + tok, mask=tm, other=1) == 0)
         sc = tl.where(keep[None, :], sc, float("-inf"))
         new_max = tl.maximum(run_max, tl.reduce(sc, 1, _MAX))
         alpha = tl.exp(run_max - new_max)
         p = tl.exp(sc - new_max[:, None])
         run_sum = run_sum * alpha + tl.reduce(p, 1, _SUM)
         run_max = new_max
-        vn = tl.load(v_norm + h * T + tok, mask=tm, other=0.0).to(tl.float32)
+        vn = tl.load(v_norm + hc * T + tok, mask=tm, other=0.0).to(tl.float32)
         w = p * vn[None, :]
-        va = _mix_part(va * alpha[:, None], w, vd_a, vl_a, h, tok, tm, H, CV_A, VB_A, BCV_A)
+        va = _mix_part(va * alpha[:, None], w, vd_a, vl_a, hc, tok, tm, H_codes, CV_A, VB_A, BCV_A)
         if CV_B > 0:
-            vb = _mix_part(vb * alpha[:, None], w, vd_b, vl_b, h, tok, tm, H, CV_B, VB_B, BCV_B)
+            vb = _mix_part(vb * alpha[:, None], w, vd_b, vl_b, hc, tok, tm, H_codes, CV_B, VB_B, BCV_B)
     row = (s * H + h) * M + m
     tl.store(m_out + row, run_max, mask=mm)
     tl.store(l_out + row, run_sum, mask=mm)
@@ -107,14 +122,16 @@ def _side(parts: list, q: Tensor | None) -> list:
 
 
 def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor, scale: float,
-          add: Tensor | None = None, skip: Tensor | None = None,
-          shrink: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          add: Tensor | None = None, skip: Tensor | None = None, shrink: Tensor | None = None,
+          bias: Tensor | None = None, runs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Attention of rotated queries qr (H, M, d) over T coded tokens (parts as native.py takes them, at most two a
     side), logits scale * |k_norm[h, t]| * <qr, key> + add[h, m], the add times, where `shrink` (H,) is given, 1
     for a key whose fp16 norm has its sign bit clear and shrink[h] for one whose is set (centered codes' flags, read
-    here rather than expanded at every step); none where skip[h, t] (uint8) is set. Returns the partial per chunk
-    of tokens, stacked (online.py): max (S, H, M), sum of exponentials (S, H, M), weighted rotated values
-    (S, H, M, d)."""
+    here rather than expanded at every step), + bias[h, t] (a composition's per-entry log-mass); none where
+    skip[h, t] (uint8) is set. With `runs` (H + 1 offsets, CPU metadata) the codes are one store (T, 1, c) holding
+    head h's entries at runs[h]:runs[h + 1], as codes.py reads a composition's ragged heads; shrink, bias and skip
+    index that store. Returns the partial per chunk of tokens, stacked (online.py): max (S, H, M), sum of
+    exponentials (S, H, M), weighted rotated values (S, H, M, d)."""
     if shrink is not None and k_norm.dtype != torch.float16:
         raise ValueError(f"flags in the norms' sign bits need fp16 norms, got {k_norm.dtype}")
     H, M, d = qr.shape
@@ -124,18 +141,22 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     cv = [p[0].shape[2] for p in vparts] + [0]
     kb = [p[0].bits for p in kparts] + [kparts[0][0].bits]
     vb = [p[0].bits for p in vparts] + [vparts[0][0].bits]
-    per = chunk(T, H, BT)
-    S = max(1, triton.cdiv(T, per))
+    longest = T if runs is None else int((runs[1:] - runs[:-1]).max())
+    per = chunk(longest, H, BT)
+    S = max(1, triton.cdiv(longest, per))
     m_out, l_out = qr.new_empty(S, H, M), qr.new_empty(S, H, M)
     acc = [qr.new_empty(S, H, M, c) for c in cv[:2] if c] or [qr.new_empty(0)]
     acc.append(acc[0] if len(acc) == 1 else acc[1])
     k_norm, v_norm = kernel_input(k_norm), kernel_input(v_norm)
     add = add.float().contiguous() if add is not None else None
+    bias = kernel_input(bias) if bias is not None else None
+    runs = offsets((runs[1:] - runs[:-1]).tolist(), qr.device) if runs is not None else None
     _flash_kernel[(H, S)](
         m_out, l_out, acc[0], acc[1], *_side(kparts, qr), *_side(vparts, None), k_norm, v_norm,
-        *[x if x is not None else k_norm for x in (add, shrink, skip)], float(scale), T, M, per,
+        *[x if x is not None else k_norm for x in (add, shrink, skip, bias, runs)], float(scale), T, M, per,
         CK_A=ck[0], KB_A=kb[0], CK_B=ck[1], KB_B=kb[1], CV_A=cv[0], VB_A=vb[0], CV_B=cv[1], VB_B=vb[1],
-        HAS_ADD=add is not None, HAS_ON=shrink is not None, HAS_SKIP=skip is not None, BT=BT, BM=BM,
+        HAS_ADD=add is not None, HAS_ON=shrink is not None, HAS_SKIP=skip is not None, HAS_BIAS=bias is not None,
+        RUNS=runs is not None, BT=BT, BM=BM,
         BC=min(64, next_pow2(max(ck))),
         BCV_A=next_pow2(cv[0]), BCV_B=next_pow2(max(cv[1], 1)))
     out = qr.new_zeros(S, H, M, d)

@@ -4,8 +4,7 @@ One byte budget covers the total. Quantized entries are cheaper than 16-bit ones
 budget of as many 16-bit entries (with a bias) as the quantized entries (+ their fp16 bias) fit in the
 layer's bytes; the quantizer runs at a fixed bit width (its `bits`, else its `default_bits`). Summary
 entries' log-mass biases stay in fp16. Knobs are routed to the part that declares them by make_method
-(kvsum/methods/registry.py). Tokens generated while decoding are quantized by `b`'s stream into a second,
-extendable state beside the composed one.
+(kvsum/methods/registry.py). Decoded tokens are quantized by `b`'s stream into a second state beside it.
 
 The quantizer codes every entry `a` keeps: what stays exact is `a`'s choice, so the quantizer's own exact
 prompt tokens (its `exact_knobs`) are refused here. A quantizer's key shift (key bits moved from the most
@@ -33,8 +32,7 @@ from .sinks import split_sinks
 
 @dataclass(frozen=True)
 class DecodedCodes:
-    """Builds the state of a composed layer's decoded tokens as its kept entries were built (a value, not a
-    closure, so a cache that holds it can be saved)."""
+    """Builds a composed layer's decoded tokens' state as its kept entries' (a value: a cache holding it saves)."""
 
     quant: Quantizer
     bits: float
@@ -48,12 +46,10 @@ class DecodedCodes:
 
 
 class ComposedState:
-    """Kept entries (all heads) quantized as one state, with fp16 biases. Equal lengths per head: the
-    quantizer sees (H, n, d). Ragged lengths: it sees the packed entries as one head (1, N, d). Where it
-    can read them in runs (TurboQuant through the kernel), head h's queries score its own run only,
-    (1, H, M, longest run); otherwise every query is scored against all N entries and other heads' entries
-    are masked, as EntryState does (H times the reads).
-
+    """Kept entries (all heads) quantized as one state, with fp16 biases. Equal lengths per head: the quantizer
+    sees (H, n, d). Ragged lengths: the packed entries as one head (1, N, d); where it reads them in runs
+    (TurboQuant through the kernels), head h's queries read its own run only, (1, H, M, longest run); otherwise
+    every query is scored against all N entries, other heads' masked, as EntryState does (H times the reads).
     `quant`, `shift` and `storage` are what the inner state was built with (the quantizer, after any fallback,
     the layer's key shift, the storage dtype): decoded tokens are built the same way."""
 
@@ -86,6 +82,16 @@ class ComposedState:
             s = s + self.bias.float()
         own = self.head_of.long().view(1, 1, 1, -1) == torch.arange(H, device=q.device).view(1, -1, 1, 1)
         return s.masked_fill(~own, float("-inf"))
+
+    def online(self, q: Tensor, scale: float) -> list | None:
+        """The inner state's fused decoding pass (TurboQuant's codes on CUDA: each head over its own run, with the
+        biases); None where none serves (then `scores` and `mix` do)."""
+        fused = getattr(self.inner, "online", None)
+        if fused is None or (self.head_of is None and self.bias is None):
+            return fused and fused(q, scale)
+        if not hasattr(self.inner, "serves_runs") or (self.head_of is not None and not self._by_run(q.shape[2])):
+            return None  # biases and runs: TurboQuant's pass only
+        return fused(q, scale, bias=self.bias, runs=self._runs if self.head_of is not None else None)
 
     def mix(self, p: Tensor) -> Tensor:
         if self.head_of is None:

@@ -87,3 +87,24 @@ def test_online_leaves_out_skipped_tokens(kernel, reference, device):
         s[flat // T, :, flat % T] = float("-inf")
         ref = state.mix(s.softmax(-1)[None])[0]
     assert rel(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("center", [True, False])
+def test_runs_with_biases_match_each_heads_own_entries(kernel, device, center):
+    """A composition's ragged heads (one store, head h's entries at runs[h]:runs[h + 1], a log-mass bias each) in
+    the fused pass: each head's queries attend its own run only, as exact attention over the dequantized entries."""
+    lengths, d, M = [7, 0, 45, 20], 64, 3
+    H, N = len(lengths), sum(lengths)
+    state = _coded(1, N, d, 3.5, device, center=center)
+    runs = torch.tensor([0, *lengths]).cumsum(0)
+    bias = (torch.randn(N, device=device) * 0.5).half()
+    q = torch.randn(1, H, M, d, device=device)
+    with kernel():
+        out = online.output(online.join(state.online(q, 0.125, bias=bias, runs=runs)))
+    keys, values = state.keys()[0], state.values()[0]
+    for h, (a, b) in enumerate(zip(runs[:-1].tolist(), runs[1:].tolist())):
+        if a == b:
+            assert torch.equal(out[h], torch.zeros_like(out[h]))
+            continue
+        p = (q[0, h] @ keys[a:b].t() * 0.125 + bias[a:b].float()).softmax(-1)
+        assert rel(out[h], p @ values[a:b]) <= 1e-5

@@ -18,7 +18,7 @@ METHODS = [
     ("summary", dict(cover="turboquant(bits=3.5,center=True)", score="surprisal"), 0.3,
      ["flash.coded"]),  # the flagship: anchors (equal per head here: a matmul) + the code cover, fused
     ("snapkv", dict(allocation="adaptive"), 0.3, ["ragged.scores", "ragged.mix"]),  # ragged heads, one launch
-    ("snapkv+turboquant", dict(bits=3, allocation="adaptive"), 0.3, ["codes.score", "codes.mix"]),  # runs
+    ("snapkv+turboquant", dict(bits=3, allocation="adaptive"), 0.3, ["flash.coded"]),  # ragged heads: runs, fused
 ]
 MODULES = {"codes": codes, "flash": flash, "kivi": kivi, "ragged": ragged}
 

@@ -129,7 +129,9 @@ class TurboQuantState:
     def _mean_logit(self, q: Tensor, scale: float) -> Tensor:
         """The mean key's logit for each query row, exact: q (..., H, M, d) -> (..., H, M, 1)."""
         k = self.k_mean.float().transpose(-1, -2)
-        return torch.bmm(q, k).mul_(scale) if q.dim() == 3 else q @ k * scale  # bmm: a decoding step's fewest ops
+        if q.dim() == 3 and k.shape[0] == q.shape[0]:  # a decoding step's heads: bmm, its fewest operations
+            return torch.bmm(q, k).mul_(scale)
+        return q @ k * scale
 
     def _mean_logits(self, q: Tensor, scale: float, runs: Tensor | None = None) -> Tensor:
         """The mean key's logit on each key, in the share `_on` gives: q (..., H, M, d) -> (..., H, M, T); with
@@ -199,11 +201,13 @@ class TurboQuantState:
             s += self._mean_logits(q, scale, read.get("runs"))
         return s
 
-    def online(self, q: Tensor, scale: float, skip: Tensor | None = None) -> list | None:
+    def online(self, q: Tensor, scale: float, skip: Tensor | None = None, bias: Tensor | None = None,
+               runs: Tensor | None = None) -> list | None:
         """On CUDA, a decoding step's attention over the codes in one fused pass (kvsum/kernels/flash.py): the
         partials (max, sum, values) of its chunks, stacked, that joint attention joins with the exact parts and the
         tail, no logit written to memory; `skip`: flat indices h * T + t of tokens left out (held exactly
-        elsewhere). None where that kernel does not serve (then `scores` and `mix` do)."""
+        elsewhere); `bias` and `runs` as `run_scores` takes them (a composition's store). None where that kernel
+        does not serve (then `scores` and `mix` do)."""
         if not (kernels.serves(self.v_norm) and self.serves_runs(q.shape[2])):  # the cheap check first: CPU steps
             return None
         from ...kernels import flash
@@ -216,7 +220,7 @@ class TurboQuantState:
                 shrink = self.k_norm.new_zeros(self.H)
         skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
         m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
-                                    self.k_norm, self.v_norm, scale, add, skip, shrink)
+                                    self.k_norm, self.v_norm, scale, add, skip, shrink, bias, runs)
         return [(m, total, self.R.undo(acc))]  # every chunk's values back in the original basis at once
 
     def run_mix(self, p: Tensor, runs: Tensor) -> Tensor:
