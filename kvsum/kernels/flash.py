@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, next_pow2, offsets
-from .codes import BM, BT, _dot_part, _levels
+from . import chunk, kernel_input, levels_on, next_pow2
+from .codes import BM, BT, _dot_part, _levels, _on
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
@@ -150,7 +150,7 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     k_norm, v_norm = kernel_input(k_norm), kernel_input(v_norm)
     add = add.float().contiguous() if add is not None else None
     bias = kernel_input(bias) if bias is not None else None
-    runs = offsets((runs[1:] - runs[:-1]).tolist(), qr.device) if runs is not None else None
+    runs = _on(runs, qr.device) if runs is not None else None
     _flash_kernel[(H, S)](
         m_out, l_out, acc[0], acc[1], *_side(kparts, qr), *_side(vparts, None), k_norm, v_norm,
         *[x if x is not None else k_norm for x in (add, shrink, skip, bias, runs)], float(scale), T, M, per,

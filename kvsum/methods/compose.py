@@ -32,7 +32,7 @@ from .sinks import split_sinks
 
 @dataclass(frozen=True)
 class DecodedCodes:
-    """Builds a composed layer's decoded tokens' state as its kept entries' (a value: a cache holding it saves)."""
+    """Builds the decoded tokens' state as the kept entries' was built (a value, so a cache holding it can save)."""
 
     quant: Quantizer
     bits: float
