@@ -108,3 +108,17 @@ def test_runs_with_biases_match_each_heads_own_entries(kernel, device, center):
             continue
         p = (q[0, h] @ keys[a:b].t() * 0.125 + bias[a:b].float()).softmax(-1)
         assert rel(out[h], p @ values[a:b]) <= 1e-5
+
+
+def test_a_bf16_tail_beside_fp16_sinks(kernel, reference, device):
+    """A bf16 model's tail and queries beside sinks stored in fp16: the exact entries and the tail are read in one
+    product (promoted to fp32), as the PyTorch path reads them apart; the outputs differ by bf16 rounding only."""
+    H, t, d = 2, 6, 64
+    state = ConcatState([_sinks(H, 4, d, torch.float16, device), _coded(H, 120, d, 3.5, device, True)])
+    q = torch.randn(1, 3 * H, 1, d, device=device).bfloat16()
+    key, value = (torch.randn(1, H, t, d, device=device).bfloat16() for _ in range(2))
+    with reference():
+        ref = joint_attention(state, q, key, value, None, d ** -0.5)
+    with kernel():
+        out = joint_attention(state, q, key, value, None, d ** -0.5)
+    assert out.dtype == torch.bfloat16 and rel(out, ref) <= 2 ** -7
