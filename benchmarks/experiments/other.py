@@ -136,9 +136,10 @@ EXPERIMENTS = [
           ("frontier", 2048, 20, 8, "bytes held against passkey / multikey accuracy and lm KL at 2k, budgets 0.03-0.5: "
            "the flagship (summary by budget) and each family's best beside the full cache"),
           ("frontier_4k", 4096, 10, 4, "the same at 4k (fewer examples: 10 retrieval, 4 lm per cell)"))],
-    Experiment("frontier_flagship", "frontier", "frontier", "the flagship (summary by budget) at 2k on 50 retrieval "
-               "examples a task and 8 lm windows at 0.25 / 0.10 / 0.05, the full cache beside", lengths=(2048,), n=50,
-               threads=2, methods=("summary",),
+    Experiment("frontier_flagship", "frontier", "frontier", "the flagship (summary by budget) and each family's best "
+               "at 2k on 50 retrieval examples a task and 8 lm windows at 0.25 / 0.10 / 0.05, the full cache beside",
+               lengths=(2048,), n=50, threads=2,
+               methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("bad_input", "robust", "bad_input", "every bad input and the error kvsum gives"),
     Experiment("properties", "robust", "properties", "hypothesis statistics of the property tests", ext="txt"),
