@@ -16,13 +16,38 @@ import triton.language as tl
 from torch import Tensor
 
 from . import chunk, kernel_input, levels_on, next_pow2
-from .codes import BM, BT, _dot_part, _levels, _on
+from .codes import BM, BT, _levels, _on
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
 # imported before TRITON_INTERPRET was set; tl.reduce with their combine functions is what they compile to (and
 # the interpreter computes those with numpy)
 _MAX, _SUM = tl.standard._elementwise_max, tl.standard._sum_combine
+
+
+@triton.jit
+def _channels(ix, hc, j, jm, C, HAS_IX: tl.constexpr):
+    """The head-dim channels of a part's channels j: ix[hc, j] (an outlier split's), or j itself (one part)."""
+    if HAS_IX:
+        return tl.load(ix + hc * C + j, mask=jm, other=0).to(tl.int32)
+    return j
+
+
+@triton.jit
+def _dot_ix(acc, q, ix, data, lv, h, hc, tok, tm, M, H_codes, D: tl.constexpr, C: tl.constexpr,
+            BITS: tl.constexpr, HAS_IX: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """acc (BT, BM) += codes of tokens `tok`, head hc, C channels (levels) . the rotated queries q (H, M, D) at those
+    channels, gathered here (no gathered copy of the queries in memory)."""
+    m = tl.arange(0, BM)
+    for c0 in tl.static_range(0, C, BC):
+        j = c0 + tl.arange(0, BC)
+        jm = j < C
+        f = (tok[:, None].to(tl.int64) * H_codes + hc) * C + j[None, :]
+        x = _levels(data, f, lv, BITS, tm[:, None] & jm[None, :])
+        ch = _channels(ix, hc, j, jm, C, HAS_IX)
+        qv = tl.load(q + (h * M + m[:, None]) * D + ch[None, :], mask=(m[:, None] < M) & jm[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(qv), input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -35,16 +60,19 @@ def _mix_part(acc, w, data, lv, hc, tok, tm, H_codes, C: tl.constexpr, BITS: tl.
 
 
 @triton.jit
-def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, vd_a, vl_a, vd_b, vl_b, k_norm,
-                  v_norm, add, shrink, skip, bias, runs, scale, T, M, CHUNK, CK_A: tl.constexpr,
-                  KB_A: tl.constexpr, CK_B: tl.constexpr, KB_B: tl.constexpr, CV_A: tl.constexpr, VB_A: tl.constexpr,
-                  CV_B: tl.constexpr, VB_B: tl.constexpr, HAS_ADD: tl.constexpr, HAS_ON: tl.constexpr,
-                  HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr, RUNS: tl.constexpr, BT: tl.constexpr,
-                  BM: tl.constexpr, BC: tl.constexpr, BCV_A: tl.constexpr, BCV_B: tl.constexpr):
+def _flash_kernel(m_out, l_out, out, q, kx_a, kd_a, kl_a, kx_b, kd_b, kl_b, vx_a, vd_a, vl_a, vx_b, vd_b, vl_b, k_norm,
+                  v_norm, add, shrink, skip, bias, runs, scale, T, M, CHUNK, D: tl.constexpr, HAS_IX: tl.constexpr,
+                  CK_A: tl.constexpr, KB_A: tl.constexpr, CK_B: tl.constexpr, KB_B: tl.constexpr,
+                  CV_A: tl.constexpr, VB_A: tl.constexpr, CV_B: tl.constexpr, VB_B: tl.constexpr,
+                  HAS_ADD: tl.constexpr, HAS_ON: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RUNS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, BCV_A: tl.constexpr,
+                  BCV_B: tl.constexpr):
     """Head h = program_id(0), tokens of chunk s = program_id(1): logits scale * |k_norm| * <q, key levels>
     (+ bias[hc, tok]; + add[h, m], with HAS_ON times 1 where k_norm's sign bit is clear, else shrink[hc]; -inf
-    where skip[hc, tok]), running max / sum / weighted value levels per query row. tok = t, hc = h; with RUNS (one
-    store holding every head's entries one run after another) tok = runs[h] + t, hc = 0, up to the run's end."""
+    where skip[hc, tok]), running max / sum / weighted value levels per query row, written to out (S, H, M, D) at
+    each value part's channels. tok = t, hc = h; with RUNS (one store holding every head's entries one run after
+    another) tok = runs[h] + t, hc = 0, up to the run's end. HAS_IX: two parts a side (an outlier split), their
+    channels kx_* / vx_* (H_codes, C) read here."""
     h, s = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(0)
     if RUNS:
@@ -71,9 +99,9 @@ def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, 
         tm = t < n
         tok = base + t
         logit = tl.full((BT, BM), 0.0, tl.float32)
-        logit = _dot_part(logit, q_a, kd_a, kl_a, h, hc, tok, tm, M, H_codes, CK_A, KB_A, BT, BM, BC)
+        logit = _dot_ix(logit, q, kx_a, kd_a, kl_a, h, hc, tok, tm, M, H_codes, D, CK_A, KB_A, HAS_IX, BT, BM, BC)
         if CK_B > 0:
-            logit = _dot_part(logit, q_b, kd_b, kl_b, h, hc, tok, tm, M, H_codes, CK_B, KB_B, BT, BM, BC)
+            logit = _dot_ix(logit, q, kx_b, kd_b, kl_b, h, hc, tok, tm, M, H_codes, D, CK_B, KB_B, HAS_IX, BT, BM, BC)
         kn_raw = tl.load(k_norm + hc * T + tok, mask=tm, other=0.0)
         kn = tl.abs(kn_raw.to(tl.float32))
         sc = tl.trans(logit * scale * kn[:, None])  # (BM, BT)
@@ -104,20 +132,20 @@ def _flash_kernel(m_out, l_out, acc_a, acc_b, q_a, kd_a, kl_a, q_b, kd_b, kl_b, 
     tl.store(m_out + row, run_max, mask=mm)
     tl.store(l_out + row, run_sum, mask=mm)
     ja = tl.arange(0, BCV_A)
-    tl.store(acc_a + row[:, None] * CV_A + ja[None, :], va, mask=mm[:, None] & (ja < CV_A)[None, :])
+    ca = _channels(vx_a, hc, ja, ja < CV_A, CV_A, HAS_IX)
+    tl.store(out + row[:, None] * D + ca[None, :], va, mask=mm[:, None] & (ja < CV_A)[None, :])
     if CV_B > 0:
         jb = tl.arange(0, BCV_B)
-        tl.store(acc_b + row[:, None] * CV_B + jb[None, :], vb, mask=mm[:, None] & (jb < CV_B)[None, :])
+        cb = _channels(vx_b, hc, jb, jb < CV_B, CV_B, HAS_IX)
+        tl.store(out + row[:, None] * D + cb[None, :], vb, mask=mm[:, None] & (jb < CV_B)[None, :])
 
 
-def _side(parts: list, q: Tensor | None) -> list:
-    """Kernel arguments for up to two channel parts: (queries, data, levels) for keys, (data, levels) for values;
-    a missing second part repeats the first (its channel count is then 0)."""
+def _side(parts: list) -> list:
+    """Kernel arguments for up to two channel parts: (channels, data, levels) each; a missing second part repeats
+    the first (its channel count is then 0), and a part of all channels in order passes its data for channels."""
     args = []
     for codes, ix, levels in (parts + parts[:1])[:2]:
-        if q is not None:
-            args.append(q if ix is None else q.gather(2, ix.long()[:, None, :].expand(*q.shape[:2], -1)).contiguous())
-        args += [codes.data, levels_on(levels, codes.data.device)]
+        args += [codes.data if ix is None else ix, codes.data, levels_on(levels, codes.data.device)]
     return args
 
 
@@ -145,26 +173,21 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     per = chunk(longest, H, BT)
     S = max(1, triton.cdiv(longest, per))
     m_out, l_out = qr.new_empty(S, H, M), qr.new_empty(S, H, M)
-    acc = [qr.new_empty(S, H, M, c) for c in cv[:2] if c] or [qr.new_empty(0)]
-    acc.append(acc[0] if len(acc) == 1 else acc[1])
+    out = qr.new_empty(S, H, M, d)  # every channel written: one part of all d, or a split's two complementary ones
+    split = kparts[0][1] is not None
+    if split != (vparts[0][1] is not None) or sum(cv) != d or (split and (len(kparts) != 2 or len(vparts) != 2)):
+        raise ValueError("flash.coded reads one part of all channels a side, or an outlier split's two")
     k_norm, v_norm = kernel_input(k_norm), kernel_input(v_norm)
     add = add.float().contiguous() if add is not None else None
     bias = kernel_input(bias) if bias is not None else None
     runs = _on(runs, qr.device) if runs is not None else None
     _flash_kernel[(H, S)](
-        m_out, l_out, acc[0], acc[1], *_side(kparts, qr), *_side(vparts, None), k_norm, v_norm,
+        m_out, l_out, out, qr, *_side(kparts), *_side(vparts), k_norm, v_norm,
         *[x if x is not None else k_norm for x in (add, shrink, skip, bias, runs)], float(scale), T, M, per,
-        CK_A=ck[0], KB_A=kb[0], CK_B=ck[1], KB_B=kb[1], CV_A=cv[0], VB_A=vb[0], CV_B=cv[1], VB_B=vb[1],
-        HAS_ADD=add is not None, HAS_ON=shrink is not None, HAS_SKIP=skip is not None, HAS_BIAS=bias is not None,
-        RUNS=runs is not None, BT=BT, BM=BM,
-        BC=min(64, next_pow2(max(ck))),
+        D=d, HAS_IX=split, CK_A=ck[0], KB_A=kb[0], CK_B=ck[1], KB_B=kb[1], CV_A=cv[0], VB_A=vb[0], CV_B=cv[1],
+        VB_B=vb[1], HAS_ADD=add is not None, HAS_ON=shrink is not None, HAS_SKIP=skip is not None,
+        HAS_BIAS=bias is not None, RUNS=runs is not None, BT=BT, BM=BM, BC=min(64, next_pow2(max(ck))),
         BCV_A=next_pow2(cv[0]), BCV_B=next_pow2(max(cv[1], 1)))
-    out = qr.new_zeros(S, H, M, d)
-    for (_, ix, _), a in zip(vparts, acc):
-        if ix is None:
-            out = a
-        else:
-            out.scatter_(3, ix.long()[None, :, None, :].expand(S, H, M, -1), a)
     return m_out, l_out, out
 
 

@@ -29,20 +29,21 @@ KERNELS = {
                              dict(D=256, HAS_BIAS=True, BT=32, BM=16, BC=64)),
     "ragged._mix_kernel": (dict(part=P32, p=P32, values=P16, starts=I64, M="i32", n_p="i32", CHUNK="i32"),
                            dict(D=64, BT=32, BM=16, BC=64)),
-    "flash._flash_kernel": (dict(m_out=P32, l_out=P32, acc_a=P32, acc_b=P32, q_a=P32, kd_a=U8, kl_a=P32, q_b=P32,
-                                 kd_b=U8, kl_b=P32, vd_a=U8, vl_a=P32, vd_b=U8, vl_b=P32, k_norm=P16, v_norm=P16,
-                                 add=P32, shrink=P16, skip=U8, bias=P16, runs=I64, scale="fp32", T="i32", M="i32",
-                                 CHUNK="i32"),
-                            dict(CK_A=32, KB_A=4, CK_B=32, KB_B=3, CV_A=32, VB_A=4, CV_B=32, VB_B=3, HAS_ADD=True,
-                                 HAS_ON=True, HAS_SKIP=True, HAS_BIAS=True, RUNS=True, BT=32, BM=16, BC=32, BCV_A=32,
-                                 BCV_B=32)),
+    "flash._flash_kernel": (dict(m_out=P32, l_out=P32, out=P32, q=P32, kx_a=U8, kd_a=U8, kl_a=P32, kx_b=U8, kd_b=U8,
+                                 kl_b=P32, vx_a=U8, vd_a=U8, vl_a=P32, vx_b=U8, vd_b=U8, vl_b=P32, k_norm=P16,
+                                 v_norm=P16, add=P32, shrink=P16, skip=U8, bias=P16, runs=I64, scale="fp32", T="i32",
+                                 M="i32", CHUNK="i32"),
+                            dict(D=64, HAS_IX=True, CK_A=32, KB_A=4, CK_B=32, KB_B=3, CV_A=32, VB_A=4, CV_B=32, VB_B=3,
+                                 HAS_ADD=True, HAS_ON=True, HAS_SKIP=True, HAS_BIAS=True, RUNS=True, BT=32, BM=16,
+                                 BC=32, BCV_A=32, BCV_B=32)),
 }
 
 VARIANTS = [(name, dict(KERNELS[name][1], **change)) for name, change in [
     ("codes._score_kernel", dict(C_A=64, BITS_A=3, C_B=0, HAS_ADD=False, RUNS=False, BC=64)),  # integer bits, d 64
     # one part a side, d 256, widest and narrowest codes
-    ("flash._flash_kernel", dict(CK_A=256, KB_A=8, CK_B=0, CV_A=256, VB_A=1, CV_B=0, HAS_ADD=False, HAS_ON=False,
-                                 HAS_SKIP=False, HAS_BIAS=False, RUNS=False, BC=64, BCV_A=256, BCV_B=16)),
+    ("flash._flash_kernel", dict(D=256, HAS_IX=False, CK_A=256, KB_A=8, CK_B=0, CV_A=256, VB_A=1, CV_B=0,
+                                 HAS_ADD=False, HAS_ON=False, HAS_SKIP=False, HAS_BIAS=False, RUNS=False, BC=64,
+                                 BCV_A=256, BCV_B=16)),
 ]]
 
 
