@@ -39,16 +39,27 @@ def _levels(data, f, lv, BITS: tl.constexpr, mask):
 
 
 @triton.jit
-def _dot_part(acc, q, data, lv, qh, hc, tok, tm, M, H_codes, C: tl.constexpr, BITS: tl.constexpr,
-              BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
-    """acc (BT, BM) += codes of tokens `tok`, head hc, C channels (levels) . queries q[qh] (H, M, C)."""
+def _channels(ix, hc, j, jm, C, HAS_IX: tl.constexpr):
+    """The head-dim channels of a part's channels j: ix[hc, j] (an outlier split's), or j itself (one part)."""
+    if HAS_IX:
+        return tl.load(ix + hc * C + j, mask=jm, other=0).to(tl.int32)
+    return j
+
+
+@triton.jit
+def _dot_ix(acc, q, ix, data, lv, h, hc, tok, tm, M, H_codes, D: tl.constexpr, C: tl.constexpr,
+            BITS: tl.constexpr, HAS_IX: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """acc (BT, BM) += codes of tokens `tok`, head hc, C channels (levels) . queries q[h] (H, M, D) at those channels
+    (`_channels`: a split part's gathered here, no gathered copy of the queries in memory; D = C for queries given
+    per part)."""
     m = tl.arange(0, BM)
     for c0 in tl.static_range(0, C, BC):
         j = c0 + tl.arange(0, BC)
         jm = j < C
         f = (tok[:, None].to(tl.int64) * H_codes + hc) * C + j[None, :]
         x = _levels(data, f, lv, BITS, tm[:, None] & jm[None, :])
-        qv = tl.load(q + (qh * M + m[:, None]) * C + j[None, :], mask=(m[:, None] < M) & jm[None, :], other=0.0)
+        ch = _channels(ix, hc, j, jm, C, HAS_IX)
+        qv = tl.load(q + (h * M + m[:, None]) * D + ch[None, :], mask=(m[:, None] < M) & jm[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(qv), input_precision="ieee")
     return acc
 
@@ -72,9 +83,10 @@ def _score_kernel(out, q_a, data_a, lv_a, q_b, data_b, lv_b, norm, add, runs, sc
     tm = t < n
     tok = base + t
     acc = tl.full((BT, BM), 0.0, tl.float32)
-    acc = _dot_part(acc, q_a, data_a, lv_a, h, hc, tok, tm, M, H_codes, C_A, BITS_A, BT, BM, BC)
+    acc = _dot_ix(acc, q_a, data_a, data_a, lv_a, h, hc, tok, tm, M, H_codes, C_A, C_A, BITS_A, False, BT, BM, BC)
     if C_B > 0:
-        acc = _dot_part(acc, q_b, data_b, lv_b, h, hc, tok, tm, M, H_codes, C_B, BITS_B, BT, BM, BC)
+        acc = _dot_ix(acc, q_b, data_b, data_b, lv_b, h, hc, tok, tm, M, H_codes, C_B, C_B, BITS_B, False, BT, BM,
+                      BC)
     nrm = tl.load(norm + hc * T + tok, mask=tm, other=0.0).to(tl.float32)
     s = acc * scale * nrm[:, None]
     if HAS_ADD:

@@ -16,38 +16,13 @@ import triton.language as tl
 from torch import Tensor
 
 from . import chunk, kernel_input, levels_on, next_pow2
-from .codes import BM, BT, _levels, _on
+from .codes import BM, BT, _channels, _dot_ix, _levels, _on
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
 # imported before TRITON_INTERPRET was set; tl.reduce with their combine functions is what they compile to (and
 # the interpreter computes those with numpy)
 _MAX, _SUM = tl.standard._elementwise_max, tl.standard._sum_combine
-
-
-@triton.jit
-def _channels(ix, hc, j, jm, C, HAS_IX: tl.constexpr):
-    """The head-dim channels of a part's channels j: ix[hc, j] (an outlier split's), or j itself (one part)."""
-    if HAS_IX:
-        return tl.load(ix + hc * C + j, mask=jm, other=0).to(tl.int32)
-    return j
-
-
-@triton.jit
-def _dot_ix(acc, q, ix, data, lv, h, hc, tok, tm, M, H_codes, D: tl.constexpr, C: tl.constexpr,
-            BITS: tl.constexpr, HAS_IX: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
-    """acc (BT, BM) += codes of tokens `tok`, head hc, C channels (levels) . the rotated queries q (H, M, D) at those
-    channels, gathered here (no gathered copy of the queries in memory)."""
-    m = tl.arange(0, BM)
-    for c0 in tl.static_range(0, C, BC):
-        j = c0 + tl.arange(0, BC)
-        jm = j < C
-        f = (tok[:, None].to(tl.int64) * H_codes + hc) * C + j[None, :]
-        x = _levels(data, f, lv, BITS, tm[:, None] & jm[None, :])
-        ch = _channels(ix, hc, j, jm, C, HAS_IX)
-        qv = tl.load(q + (h * M + m[:, None]) * D + ch[None, :], mask=(m[:, None] < M) & jm[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(qv), input_precision="ieee")
-    return acc
 
 
 @triton.jit
