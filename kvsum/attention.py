@@ -140,7 +140,7 @@ def joint_attention(state, query: Tensor, key: Tensor, value: Tensor, mask: Tens
         if add is not None:
             s.view(H, G, q_len, -1)[..., s.shape[-1] - t:] += add
         joined = online.join([p for p in parts if not isinstance(p, online.Exact)] +
-                             [online.stacked(online.from_scores(s, lambda w: torch.bmm(w, v)))])
+                             [online.from_scores(s, lambda w: torch.bmm(w, v))])
         return online.output(joined).view(1, H * G, q_len, d).transpose(1, 2).to(query.dtype)
     s_state = state.scores(qg, scaling)  # (1, H, G*q, N)
     s_tail = qg @ key.float().transpose(-1, -2) * scaling  # (1, H, G*q, t)

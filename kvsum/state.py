@@ -174,8 +174,8 @@ class ConcatState:
         out = []
         for part, g in zip(self.parts, got):
             if g is None:
-                g = [getattr(part, "exact", lambda: None)() or online.stacked(online.from_scores(
-                    part.scores(q, scale)[0], lambda w, part=part: part.mix(w[None])[0]))]
+                g = [getattr(part, "exact", lambda: None)() or online.from_scores(
+                    part.scores(q, scale)[0], lambda w, part=part: part.mix(w[None])[0])]
             out += g
         return out
 

@@ -84,6 +84,11 @@ def levels_on(levels: Tensor, device) -> Tensor:
     return _table(tuple(levels.tolist()), str(device))
 
 
+def longest_run(runs: Tensor) -> int:
+    """The most entries of any run of (H + 1,) offsets `runs` (a CPU tensor, metadata); 0 for no run."""
+    return int((runs[1:] - runs[:-1]).max()) if runs.numel() > 1 else 0
+
+
 def next_pow2(n: int, least: int = 16) -> int:
     """The least power of 2 >= n and >= `least` (Triton's blocks are powers of 2, tl.dot's at least 16)."""
     return max(least, 1 << max(0, int(n) - 1).bit_length())

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, next_pow2, offsets
+from . import chunk, kernel_input, levels_on, longest_run, next_pow2, offsets
 
 BT = 32  # tokens per block
 BM = 16  # query rows per block: a decoding step's rows per KV head (at most native.MAX_ROWS = 16)
@@ -153,7 +153,7 @@ def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None
     q = q.float().contiguous()
     T, H_codes = parts[0][0].shape[0], parts[0][0].shape[1]
     if runs is not None:
-        T_out = int((runs[1:] - runs[:-1]).max()) if H else 0
+        T_out = longest_run(runs)
         runs = _on(runs, q.device)
     else:
         T_out = T

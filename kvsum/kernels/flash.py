@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, next_pow2
+from . import chunk, kernel_input, levels_on, longest_run, next_pow2
 from .codes import BM, BT, _channels, _dot_ix, _levels, _on
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
@@ -144,7 +144,7 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     cv = [p[0].shape[2] for p in vparts] + [0]
     kb = [p[0].bits for p in kparts] + [kparts[0][0].bits]
     vb = [p[0].bits for p in vparts] + [vparts[0][0].bits]
-    longest = T if runs is None else int((runs[1:] - runs[:-1]).max())
+    longest = T if runs is None else longest_run(runs)
     per = chunk(longest, H, BT)
     S = max(1, triton.cdiv(longest, per))
     m_out, l_out = qr.new_empty(S, H, M), qr.new_empty(S, H, M)

@@ -24,10 +24,10 @@ NEG = -1.0e30
 
 def from_scores(s: Tensor, mix) -> tuple[Tensor, Tensor, Tensor]:
     """The partial of logits s (H, M, N) (-inf where nothing is attended) whose weights `mix` (H, M, N) -> (H, M, d)
-    turns into values."""
+    turns into values, as a stack of one chunk (1, H, M) / (1, H, M, d)."""
     m = s.amax(-1).clamp_min(NEG) if s.shape[-1] else s.new_full(s.shape[:2], NEG)
     p = torch.exp(s - m[..., None])
-    return m, p.sum(-1), mix(p)
+    return m[None], p.sum(-1)[None], mix(p)[None]
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,6 @@ class Exact:
 
     keys: Tensor
     values: Tensor
-
-
-def stacked(part: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """A partial as a stack of one chunk."""
-    return tuple(t[None] for t in part)
 
 
 def join(parts: list) -> tuple[Tensor, Tensor, Tensor]:

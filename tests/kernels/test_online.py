@@ -13,11 +13,11 @@ def test_partials_join_to_one_softmax():
     v = torch.randn(H, 50, d)
     parts = [online.from_scores(s[..., a:b], lambda w, a=a, b=b: w @ v[:, a:b]) for a, b in ((0, 30), (30, 31),
                                                                                           (31, 31), (31, 50))]
-    out = online.output(online.join([online.stacked(p) for p in parts]))
+    out = online.output(online.join(parts))
     assert torch.allclose(out, s.softmax(-1) @ v, rtol=1e-5, atol=1e-6)
 
 
 def test_a_row_with_nothing_to_attend_gives_zeros():
     s = torch.full((1, 1, 4), float("-inf"))
-    out = online.output(online.join([online.stacked(online.from_scores(s, lambda w: w @ torch.ones(1, 4, 2)))] * 2))
+    out = online.output(online.join([online.from_scores(s, lambda w: w @ torch.ones(1, 4, 2))] * 2))
     assert torch.equal(out, torch.zeros(1, 1, 2))

@@ -113,7 +113,7 @@ def _side(parts: list, d: int, runs: Tensor | None, H: int) -> tuple:
               (ctypes.c_void_p * n)(*[lv.data_ptr() for lv in levels]),
               (ctypes.c_int64 * n)(*[p.shape[2] for p, _, _ in parts]),
               (ctypes.c_int * n)(*[p.bits for p, _, _ in parts]))
-    T = parts[0][0].shape[0] if runs is None else int((runs[1:] - runs[:-1]).max())
+    T = parts[0][0].shape[0] if runs is None else kernels.longest_run(runs)
     return (n, *arrays, T, H, d), (levels, idx)
 
 

@@ -138,7 +138,7 @@ class TurboQuantState:
         `runs` (one head's store read in runs, as Coded.dot reads it) (1, H, M, longest run)."""
         on = self._on()
         if runs is not None:
-            t = runs[:-1, None].to(on.device) + torch.arange(int((runs[1:] - runs[:-1]).max()), device=on.device)
+            t = runs[:-1, None].to(on.device) + torch.arange(kernels.longest_run(runs), device=on.device)
             on = on[0, t.clamp_max(self.T - 1)]
         return self._mean_logit(q, scale) * on[:, None, :]
 
@@ -215,9 +215,7 @@ class TurboQuantState:
         add = shrink = None
         if self.k_mean is not None:  # the mean's logit per query row, times each key's share of it (`_on`, which
             add = self._mean_logit(q[0], scale)[..., 0]  # the kernel reads from the norms' sign bits)
-            shrink = getattr(self, "k_shrink", None)
-            if shrink is None:  # a cache saved before the flags: no key coded as it is
-                shrink = self.k_norm.new_zeros(self.H)
+            shrink = getattr(self, "k_shrink", None)  # None: a cache saved before the flags, every norm positive
         skip = None if skip is None else flash.skip_mask(skip, self.H, self.T)
         m, total, acc = flash.coded(self.k._native(q.shape[2]), self.v._native(q.shape[2]), self.R.apply(q)[0],
                                     self.k_norm, self.v_norm, scale, add, skip, shrink, bias, runs)
