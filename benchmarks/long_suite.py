@@ -84,7 +84,7 @@ def one_length(args, length: int) -> None:
     import torch
 
     import kvsum
-    from kvsum.eval.runner import chosen
+    from kvsum.eval.runner import chosen, prompt_length
     from kvsum.eval.tasks import DEPTHS, example_seed, get_task
     from kvsum.methods import make_method, prefill_needs
     from kvsum.prefill import CHUNK, WHOLE
@@ -109,7 +109,7 @@ def one_length(args, length: int) -> None:
             if all((task.name, length, i, label, b) in done for label, _, _, b in cfgs):
                 continue
             seed = example_seed(args.seed, i)
-            ex = task.example(tok, length, seed, DEPTHS[i % len(DEPTHS)])
+            ex = task.example(tok, prompt_length(model, task, length), seed, DEPTHS[i % len(DEPTHS)])
             ids = ex.context_ids
             reset_peak()
             t0 = time.perf_counter()
@@ -151,7 +151,7 @@ def one_length(args, length: int) -> None:
                 del cache
             del pre
             steps = ex.question_ids[:, :args.decode_steps + 2]
-            times = paired_decode(model, kept, steps)
+            times = paired_decode(model, kept, steps) if args.decode_steps > 0 else []
             for rec, ts in zip([r for r in recs if "refused" not in r], times[1:]):
                 rec["decode_s"] = statistics.median(ts)
                 rec["full_decode_s"] = statistics.median(times[0])
@@ -211,7 +211,7 @@ def aggregate(records: list[dict]) -> list[dict]:
                          ratio=mean("ratio"), bytes=mean("bytes"), full_bytes=mean("full_bytes"),
                          prefill_s=mean("prefill_s"), compress_s=mean("compress_s"),
                          compress_over_prefill=mean("compress_over_prefill"),
-                         decode_over_full=statistics.median(r["decode_over_full"] for r in rs),
+                         decode_over_full=statistics.median(r.get("decode_over_full", float("nan")) for r in rs),
                          peak=max(max(r["prefill_peak"], r["compress_peak"]) for r in rs),
                          compress_extra=max(r["compress_extra"] for r in rs),
                          peak_over_base=max(r["peak_over_base"] for r in rs),
@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=DTYPES, default="fp32",
                     help="the model's dtype (bf16: how the model is served; ~5x faster on CPUs with AMX)")
     ap.add_argument("--chat", action="store_true", help="prompts in the tokenizer's chat template")
-    ap.add_argument("--decode-steps", type=int, default=4, help="decode steps timed per cache (after 2 warm-up)")
+    ap.add_argument("--decode-steps", type=int, default=4,
+                    help="decode steps timed per cache (after 2 warm-up; 0: none)")
     ap.add_argument("--out", default=str(RESULTS / "long" / "long_suite"))
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: one length
     ap.add_argument("--command", default=None, help=argparse.SUPPRESS)  # child: the parent's command line

@@ -18,6 +18,7 @@ from ..errors import KVSumError
 from ..extras import progress as progress_bar
 from ..methods import Method, make_method, prefill_needs
 from ..prefill import prefill
+from ..shape import ModelShape
 from .metrics import fidelity, summarize_fidelity
 from .report import write  # noqa: F401  (re-exported: run, then write)
 from .tasks import Example, Task, get_task
@@ -67,6 +68,14 @@ def forced_logits(model, ex: Example, cache) -> torch.Tensor:
     return model(ex.question_ids.to(model.device), cache=cache, use_cache=True).logits[0].float()
 
 
+def prompt_length(model, t: Task, length: int) -> int:
+    """The prompt length for `length`: RULER sizes a prompt so that it and what is read after it (the answer
+    generated, or the lm continuation) fit the model's window; a length at the window (32,768 on Qwen2.5-Coder)
+    would put the answer at positions the model was never trained on. Shorter lengths are taken as given."""
+    after = getattr(t, "continuation", 0) if t.kind == "lm" else t.max_new_tokens
+    return min(length, ModelShape.of(model).max_len - after)
+
+
 def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequence[MethodSpec],
         budgets: Sequence[float], lengths: Sequence[int], n: int, seed: int = 0, progress: bool = True,
         refusals: bool = False) -> list[dict]:
@@ -74,6 +83,8 @@ def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequ
 
     `methods`: names or built methods, (name, knobs) pairs or (name, knobs, budgets) triples; "full" gets one row
     at budget 1.0.
+    A length is the prompt's (context and question), cut where the answer would run past the model's window
+    (`prompt_length`); rows keep the length asked.
     Retrieval rows score accuracy in %, lm rows the KL(full || compressed) in nats (plus top1 %, ppl_ratio).
     `refusals`: a configuration that raises KVSumError (a budget below what it can hold) is dropped from the
     task and length and its row says why (`refused`: the error's first line) instead of ending the run (a sweep
@@ -90,7 +101,7 @@ def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequ
                 bar.update(f"{t.name} @ {length} tokens")
                 per = [[] for _ in configs]  # per config: one record per example
                 refused: dict[int, str] | None = {} if refusals else None
-                for ex in t.examples(tokenizer, length, n, seed):
+                for ex in t.examples(tokenizer, prompt_length(model, t, length), n, seed):
                     _one_example(model, tokenizer, t, ex, configs, per, refused)
                     bar.advance()
                 rows += [dict(_head(t, length, cfg), refused=refused[i]) if refused and i in refused else

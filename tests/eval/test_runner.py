@@ -59,3 +59,17 @@ def test_a_refusal_ends_the_run_unless_recorded():
     assert tq["refused"] and "turboquant" in tq["refused"] and "\n" not in tq["refused"] and "score" not in tq
     assert (tq["method"], tq["budget"], tq["length"]) == ("turboquant", 0.03, 300)
     assert full["n"] == sl["n"] == 2 and sl["ratio"] <= 0.03 + 0.02
+
+
+def test_a_prompt_at_the_window_leaves_room_for_its_answer():
+    """RULER's sizing: prompt + answer (or lm continuation) fit the model's window; a shorter length is as asked."""
+    from kvsum.eval.runner import prompt_length
+    from kvsum.eval.tasks import get_task
+    model = tiny_llama()
+    model.config.max_position_embeddings = 320
+    passkey, lm = get_task("passkey"), get_task("lm")
+    assert prompt_length(model, passkey, 300) == 300
+    assert prompt_length(model, passkey, 320) == 320 - passkey.max_new_tokens
+    assert prompt_length(model, lm, 320) == 320 - lm.continuation
+    full, = run(model, CharTokenizer(), "passkey", ["full"], [1.0], [320], n=1, progress=False)
+    assert full["length"] == 320 and full["full_bytes"] == 2 * 2 * 2 * 16 * 2 * (320 - passkey.max_new_tokens)
