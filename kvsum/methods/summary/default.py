@@ -8,12 +8,12 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      approximately present, where a selection at a quarter of the bytes loses retrieval;
   2. below, where 3.5-bit codes of every token no longer fit: summary's selection stored as TurboQuant codes
      (`summary+turboquant`), anchors chosen as whole sentences ranked by surprisal (a fact is a sentence, not
-     its sharpest token; a long sentence as equal pieces, scores.MAX_SENTENCE), key bits shifted from diffuse
-     to sharp layers (key_shift=1) and keys centered per head before coding (center=True: a code spent on a
-     head's constant key offset is lost to what differs, and Qwen's large key biases garble uncentered answers),
-     and every layer and head given the same share (entropy_allocation=False: a sentence is kept or not in
-     every layer; spread by attention entropy, the sharp layers' smaller shares cut the needle's sentence where
-     the diffuse ones keep it, and its value comes out garbled or not at all);
+     its sharpest token), key bits shifted from diffuse to sharp layers (key_shift=1) and keys centered per head
+     before coding (center=True: a code spent on a head's constant key offset is lost to what differs, and
+     Qwen's large key biases garble uncentered answers), and every layer and head given the same share
+     (entropy_allocation=False: a sentence is kept or not in every layer; spread by attention entropy, the sharp
+     layers' smaller shares cut the needle's sentence where the diffuse ones keep it, and its value comes out
+     garbled or not at all);
      below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser: at 0.05 of the bytes that pays,
      at 0.1 the 3-bit default does);
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.

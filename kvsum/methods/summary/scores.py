@@ -10,10 +10,7 @@ from ..attention_stats import causal_logits, normalized_entropy
 from .fit import surprisal_spans
 
 SCORES = ("hybrid", "surprisal", "sentence", "repeat", "sharp_mass", "max", "mass")
-# tokens: a longer sentence is ranked as equal pieces of at most this many. A long sentence kept whole spends
-# the bytes of its predictable stretches, which rank it by their mean anyway; a fact (a RULER needle with a
-# 7-digit value is 21-22 tokens on the bundled tokenizers) still fits in one piece.
-MAX_SENTENCE = 24
+MAX_SENTENCE = 64  # tokens: a longer stretch without a sentence end is cut into pieces of this length
 
 
 def rank(score: Tensor) -> Tensor:
@@ -69,8 +66,7 @@ def sentences(x) -> Tensor:
 
     A fact's digits carry less surprisal than the prose around them; scored alone they rank below the
     cut and the fact survives without its value. A fact stated in a template seen before has a low mean
-    but still a surprising word. Sentences end at tokens holding . ! ? or a newline; a longer one than
-    MAX_SENTENCE is ranked as equal pieces."""
+    but still a surprising word. Sentences end at tokens holding . ! ? or a newline."""
     if x.sentence_ends is None:
         raise KVSumError("score='sentence' needs sentence ends: kvsum.compress(..., tokenizer=tokenizer)")
     s = token_surprisal(x, "sentence")
@@ -78,9 +74,7 @@ def sentences(x) -> Tensor:
     pos = torch.arange(x.T, device=s.device)
     start = torch.cat([pos.new_zeros(1), pos[:-1][ends[:-1]] + 1])  # first token of every sentence
     sent = torch.bucketize(pos, start, right=True) - 1
-    length = torch.diff(torch.cat([start, start.new_tensor([x.T])]))[sent]
-    k = (length + MAX_SENTENCE - 1) // MAX_SENTENCE  # pieces of the token's sentence, of equal length
-    piece = sent * x.T + (pos - start[sent]) * k // length  # no short tail piece to be ranked alone
+    piece = sent * x.T + (pos - start[sent]) // MAX_SENTENCE  # long sentences cut into pieces
     seg = torch.unique_consecutive(piece, return_inverse=True)[1]
     n = int(seg[-1]) + 1
     mean = s.new_zeros(n).index_add(0, seg, s) / s.new_zeros(n).index_add(0, seg, torch.ones_like(s))

@@ -10,11 +10,10 @@ from tests.helpers import SentenceTokenizer, reference_layer
 def test_sentence_score_keeps_or_drops_whole_sentences():
     """Every token of a sentence gets one score: a sentence ranks by the better of its mean surprisal and its
     peak, so a fact whose value is unsurprising ranks with its surprising word; a stretch longer than
-    MAX_SENTENCE without a sentence end is cut into equal pieces ranked apart."""
+    MAX_SENTENCE without a sentence end is cut into pieces ranked apart."""
     from kvsum.methods.summary.scores import MAX_SENTENCE, sentences
 
-    T = 2 * MAX_SENTENCE + 32  # [30, T): a sentence of MAX_SENTENCE tokens, then one of
-    # MAX_SENTENCE + 2: two pieces of half each
+    T = 2 * MAX_SENTENCE + 60
     x = reference_layer(T=T)
     s = torch.full((T,), 1.0)
     s[0] = float("inf")
@@ -23,15 +22,14 @@ def test_sentence_score_keeps_or_drops_whole_sentences():
     s[8] = 9.0  # sentence [5, 20): one surprising word, the rest (the "digits") low: mean below every other
     s[20:30] = 4.0  # sentence [20, 30): the highest mean (4.0), peak 4.0
     ends = torch.zeros(T, dtype=torch.bool)
-    ends[[4, 19, 29, 29 + MAX_SENTENCE]] = True  # then a full-length sentence, then a stretch just too long
-    half = 30 + MAX_SENTENCE + (MAX_SENTENCE + 2) // 2
-    s[half + 1] = 5.0  # in the long stretch's second piece only
+    ends[[4, 19, 29]] = True  # then one long stretch [30, T) without an end
+    s[30 + MAX_SENTENCE + 3] = 5.0  # in the long stretch's second piece only
     x.surprisal, x.sentence_ends = s, ends
     score = sentences(x)
-    pieces = [(0, 5), (5, 20), (20, 30), (30, 30 + MAX_SENTENCE), (30 + MAX_SENTENCE, half), (half, T)]
+    pieces = [(0, 5), (5, 20), (20, 30), (30, 30 + MAX_SENTENCE), (30 + MAX_SENTENCE, 30 + 2 * MAX_SENTENCE)]
     for a, b in pieces:
         assert torch.all(score[a:b] == score[a])  # whole sentences
-    first, fact, dense, _, long1, long2 = (float(score[a]) for a, _ in pieces)
+    first, fact, dense, long1, long2 = (float(score[a]) for a, _ in pieces)
     # the fact by its peak, the dense sentence by its mean, the piece holding 5.0 above the flat one
     assert min(first, fact, dense) > long2 > long1
     x.sentence_ends = None
