@@ -69,11 +69,11 @@ def forced_logits(model, ex: Example, cache) -> torch.Tensor:
 
 
 def prompt_length(model, t: Task, length: int) -> int:
-    """The prompt length for `length`: RULER sizes a prompt so that it and what is read after it (the answer
-    generated, or the lm continuation) fit the model's window; a length at the window (32,768 on Qwen2.5-Coder)
-    would put the answer at positions the model was never trained on. Shorter lengths are taken as given."""
-    after = getattr(t, "continuation", 0) if t.kind == "lm" else t.max_new_tokens
-    return min(length, ModelShape.of(model).max_len - after)
+    """The prompt length for `length`: RULER sizes a prompt so that it and what is read after it
+    (`Task.tokens_after`: the answer generated, or the lm continuation) fit the model's window; a length at the
+    window (32,768 on Qwen2.5-Coder) would put the answer at positions the model was never trained on. Shorter
+    lengths are taken as given."""
+    return min(length, ModelShape.of(model).max_len - t.tokens_after)
 
 
 def run(model, tokenizer, task: str | Task | Sequence[str | Task], methods: Sequence[MethodSpec],

@@ -67,6 +67,11 @@ class Task:
         """1.0 if the generated `output` answers the example, else 0.0."""
         raise NotImplementedError
 
+    @property
+    def tokens_after(self) -> int:
+        """Tokens read after the prompt: the answer generated (`max_new_tokens`)."""
+        return self.max_new_tokens
+
     def examples(self, tokenizer, length: int, n: int, seed: int = 0):
         """`n` examples, the needle depth cycling over 0.1..0.9."""
         for i in range(n):
@@ -157,6 +162,11 @@ class LMFidelity(Task):
     def example(self, tokenizer, length, seed, depth=0.5):
         ids = text.join(text.haystack(tokenizer, length + self.continuation, seed), text.sep_ids(tokenizer))
         return Example(_tensor(ids[:length]), _tensor(ids[length:]), seed=seed)
+
+    @property
+    def tokens_after(self) -> int:
+        """The teacher-forced continuation."""
+        return self.continuation
 
     def score(self, example, output):
         raise KVSumError("the lm task is scored from logits (kvsum.eval.metrics.fidelity), not from text")

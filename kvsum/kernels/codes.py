@@ -65,11 +65,13 @@ def _dot_ix(acc, q, ix, data, lv, h, hc, tok, tm, M, H_codes, D: tl.constexpr, C
 
 
 @triton.jit
-def _score_kernel(out, q_a, data_a, lv_a, q_b, data_b, lv_b, norm, add, runs, scale, T, H_codes, M, T_out,
-                  C_A: tl.constexpr, BITS_A: tl.constexpr, C_B: tl.constexpr, BITS_B: tl.constexpr,
-                  HAS_ADD: tl.constexpr, RUNS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+def _score_kernel(out, q, kx_a, data_a, lv_a, kx_b, data_b, lv_b, norm, add, runs, scale, T, H_codes, M, T_out,
+                  D: tl.constexpr, HAS_IX: tl.constexpr, C_A: tl.constexpr, BITS_A: tl.constexpr, C_B: tl.constexpr,
+                  BITS_B: tl.constexpr, HAS_ADD: tl.constexpr, RUNS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                  BC: tl.constexpr):
     """out[h, m, t] = scale * norm[hc, tok] * <q[h, m], levels(tok, hc)> (+ add[hc, tok]); tok = t, hc = h, or with
-    runs tok = runs[h] + t, hc = 0 and -inf past the run's end. Parts a and b (C_B = 0: none) summed."""
+    runs tok = runs[h] + t, hc = 0 and -inf past the run's end. Parts a and b (C_B = 0: none) summed; HAS_IX: their
+    channels kx_* of the queries (H, M, D) are read here (`_side`)."""
     h = tl.program_id(0)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     if RUNS:
@@ -83,10 +85,9 @@ def _score_kernel(out, q_a, data_a, lv_a, q_b, data_b, lv_b, norm, add, runs, sc
     tm = t < n
     tok = base + t
     acc = tl.full((BT, BM), 0.0, tl.float32)
-    acc = _dot_ix(acc, q_a, data_a, data_a, lv_a, h, hc, tok, tm, M, H_codes, C_A, C_A, BITS_A, False, BT, BM, BC)
+    acc = _dot_ix(acc, q, kx_a, data_a, lv_a, h, hc, tok, tm, M, H_codes, D, C_A, BITS_A, HAS_IX, BT, BM, BC)
     if C_B > 0:
-        acc = _dot_ix(acc, q_b, data_b, data_b, lv_b, h, hc, tok, tm, M, H_codes, C_B, C_B, BITS_B, False, BT, BM,
-                      BC)
+        acc = _dot_ix(acc, q, kx_b, data_b, lv_b, h, hc, tok, tm, M, H_codes, D, C_B, BITS_B, HAS_IX, BT, BM, BC)
     nrm = tl.load(norm + hc * T + tok, mask=tm, other=0.0).to(tl.float32)
     s = acc * scale * nrm[:, None]
     if HAS_ADD:
@@ -138,18 +139,23 @@ def _on(runs: Tensor, device) -> Tensor:
     return runs if runs.device == device else offsets((runs[1:] - runs[:-1]).tolist(), device)
 
 
-def _part_queries(q: Tensor, ix: Tensor | None) -> Tensor:
-    """A part's channels of the queries q (H, M, d): (H, M, c) fp32 contiguous."""
-    if ix is None:
-        return q
-    return q.gather(2, ix.long()[:, None, :].expand(q.shape[0], q.shape[1], -1)).contiguous()
+def _side(parts: list) -> list:
+    """Kernel arguments for up to two channel parts: (channels, data, levels) each; a missing second part repeats
+    the first (its channel count is then 0), and a part of all channels in order passes its data for channels (the
+    kernels gather a split's channels themselves: no gathered copy of the queries)."""
+    if len({ix is None for _, ix, _ in parts}) > 1:
+        raise ValueError("the kernels read one part of all channels, or parts that each name their channels")
+    args = []
+    for codes, ix, levels in (parts + parts[:1])[:2]:
+        args += [codes.data if ix is None else ix, codes.data, levels_on(levels, codes.data.device)]
+    return args
 
 
 def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None = None,
           runs: Tensor | None = None) -> Tensor:
     """native.score on the GPU: queries q (H, M, d) against the coded side -> (H, M, T) (with runs: (H, M, longest
     run), -inf past each run's end). Parts are read two at a time (an outlier split's two in one pass)."""
-    H, M, _ = q.shape
+    H, M, d = q.shape
     q = q.float().contiguous()
     T, H_codes = parts[0][0].shape[0], parts[0][0].shape[1]
     if runs is not None:
@@ -162,15 +168,13 @@ def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None
     out = None
     for i in range(0, len(parts), 2):
         pair = parts[i:i + 2]
-        args = []
-        for codes, ix, levels in pair + [pair[0]] * (2 - len(pair)):
-            args += [_part_queries(q, ix), codes.data, levels_on(levels, q.device)]
         C_A, C_B = pair[0][0].shape[2], pair[1][0].shape[2] if len(pair) == 2 else 0
         o = q.new_empty(H, M, T_out)
         if T_out:
             _score_kernel[(H, triton.cdiv(T_out, BT))](
-                o, *args, norm, add if i == 0 and add is not None else norm, runs if runs is not None else norm,
-                float(scale), T, H_codes, M, T_out, C_A=C_A, BITS_A=pair[0][0].bits, C_B=C_B,
+                o, q, *_side(pair), norm, add if i == 0 and add is not None else norm,
+                runs if runs is not None else norm, float(scale), T, H_codes, M, T_out, D=d,
+                HAS_IX=pair[0][1] is not None, C_A=C_A, BITS_A=pair[0][0].bits, C_B=C_B,
                 BITS_B=pair[1][0].bits if C_B else 1, HAS_ADD=i == 0 and add is not None, RUNS=runs is not None,
                 BT=BT, BM=BM, BC=_block(max(C_A, C_B)))
         out = o if out is None else out + o

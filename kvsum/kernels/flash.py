@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, longest_run, next_pow2
-from .codes import BM, BT, _channels, _dot_ix, _levels, _on
+from . import chunk, kernel_input, longest_run, next_pow2
+from .codes import BM, BT, _channels, _dot_ix, _levels, _on, _side
 
 NEG = tl.constexpr(-1.0e30)  # the running maximum before any token: finite, so an all-masked chunk weighs 0, not NaN
 # tl.max / tl.sum are jit functions of triton's standard library, which cannot run interpreted where triton was
@@ -113,15 +113,6 @@ def _flash_kernel(m_out, l_out, out, q, kx_a, kd_a, kl_a, kx_b, kd_b, kl_b, vx_a
         jb = tl.arange(0, BCV_B)
         cb = _channels(vx_b, hc, jb, jb < CV_B, CV_B, HAS_IX)
         tl.store(out + row[:, None] * D + cb[None, :], vb, mask=mm[:, None] & (jb < CV_B)[None, :])
-
-
-def _side(parts: list) -> list:
-    """Kernel arguments for up to two channel parts: (channels, data, levels) each; a missing second part repeats
-    the first (its channel count is then 0), and a part of all channels in order passes its data for channels."""
-    args = []
-    for codes, ix, levels in (parts + parts[:1])[:2]:
-        args += [codes.data if ix is None else ix, codes.data, levels_on(levels, codes.data.device)]
-    return args
 
 
 def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor, scale: float,

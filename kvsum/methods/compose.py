@@ -88,10 +88,10 @@ class ComposedState:
         biases); None where none serves (then `scores` and `mix` do)."""
         fused = getattr(self.inner, "online", None)
         if fused is None or (self.head_of is None and self.bias is None):
-            return fused and fused(q, scale)
-        if not hasattr(self.inner, "serves_runs") or (self.head_of is not None and not self._by_run(q.shape[2])):
-            return None  # biases and runs: TurboQuant's pass only
-        return fused(q, scale, bias=self.bias, runs=self._runs if self.head_of is not None else None)
+            return fused(q, scale) if fused is not None else None
+        if not hasattr(self.inner, "serves_runs"):
+            return None  # biases and runs: TurboQuant's pass only (it says itself where it serves)
+        return fused(q, scale, bias=self.bias, runs=self._runs)
 
     def mix(self, p: Tensor) -> Tensor:
         if self.head_of is None:

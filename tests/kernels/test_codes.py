@@ -113,3 +113,14 @@ def test_runs_of_a_centered_store_add_the_mean_logit_to_the_keys_coded_less_it(k
         assert (s[0, h, :, n:] == float("-inf")).all()
         if n:
             assert rel(s[0, h, :, :n], 0.5 * q[0, h] @ dense[a:a + n].t() + bias[a:a + n]) <= 1e-4
+
+
+def test_a_part_of_all_channels_and_a_split_part_are_not_read_together():
+    """The kernels read the channels of every part of a pair from its index, or of none: a mix is refused."""
+    from kvsum.kernels.codes import _side
+
+    whole = (Packed(torch.zeros(4, 1, 8, dtype=torch.uint8), 2), None, torch.zeros(4))
+    split = (whole[0], torch.arange(8, dtype=torch.uint8)[None], torch.zeros(4))
+    assert len(_side([whole])) == len(_side([split, split])) == 6
+    with pytest.raises(ValueError, match="name their channels"):
+        _side([whole, split])

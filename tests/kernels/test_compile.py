@@ -12,9 +12,11 @@ import pytest
 P32, P16, PBF, U8, I64 = "*fp32", "*fp16", "*bf16", "*u8", "*i64"
 # kernel: (argument types, constexprs), a variant that takes every optional branch; VARIANTS: the plain ones too
 KERNELS = {
-    "codes._score_kernel": (dict(out=P32, q_a=P32, data_a=U8, lv_a=P32, q_b=P32, data_b=U8, lv_b=P32, norm=P16,
-                                 add=P16, runs=I64, scale="fp32", T="i32", H_codes="i32", M="i32", T_out="i32"),
-                            dict(C_A=32, BITS_A=4, C_B=32, BITS_B=3, HAS_ADD=True, RUNS=True, BT=32, BM=16, BC=32)),
+    "codes._score_kernel": (dict(out=P32, q=P32, kx_a=U8, data_a=U8, lv_a=P32, kx_b=U8, data_b=U8, lv_b=P32,
+                                 norm=P16, add=P16, runs=I64, scale="fp32", T="i32", H_codes="i32", M="i32",
+                                 T_out="i32"),
+                            dict(D=64, HAS_IX=True, C_A=32, BITS_A=4, C_B=32, BITS_B=3, HAS_ADD=True, RUNS=True, BT=32,
+                                 BM=16, BC=32)),
     "codes._mix_kernel": (dict(part=P32, p=P32, data=U8, lv=P32, norm=P16, runs=I64, T="i32", H_codes="i32",
                                M="i32", T_p="i32", CHUNK="i32"), dict(C=128, BITS=3, RUNS=True, BT=32, BM=16, BC=64)),
     "kivi._group_kernel": (dict(out=P32, qg=P32, data=U8, lv=P32, H="i32", g="i32", M="i32", T_out="i32"),
@@ -39,7 +41,7 @@ KERNELS = {
 }
 
 VARIANTS = [(name, dict(KERNELS[name][1], **change)) for name, change in [
-    ("codes._score_kernel", dict(C_A=64, BITS_A=3, C_B=0, HAS_ADD=False, RUNS=False, BC=64)),  # integer bits, d 64
+    ("codes._score_kernel", dict(HAS_IX=False, C_A=64, BITS_A=3, C_B=0, HAS_ADD=False, RUNS=False, BC=64)),  # d 64
     # one part a side, d 256, widest and narrowest codes
     ("flash._flash_kernel", dict(D=256, HAS_IX=False, CK_A=256, KB_A=8, CK_B=0, CV_A=256, VB_A=1, CV_B=0,
                                  HAS_ADD=False, HAS_ON=False, HAS_SKIP=False, HAS_BIAS=False, RUNS=False, BC=64,
