@@ -15,6 +15,10 @@ EXPERIMENTS = [
                # times, bytes and compression times depend on shapes only); `--export .gpu/qwen` writes them
                args=("--model", "qwen2.5-coder-0.5b", "--dtype", "bf16", "--rounds", "20", "--random-weights",
                      ".gpu/qwen")),
+    Experiment("gpu_profile", "gpu", "gpu_profile", "where a decoding step's time goes on a CUDA GPU: kernels "
+               "launched, the GPU's busy time and the wall time of one step per cache (PyTorch's profiler), at 8k "
+               "and 32k", threads=4,
+               args=("--model", "qwen2.5-coder-0.5b", "--dtype", "bf16", "--random-weights", ".gpu/qwen")),
     Experiment("step_ops", "gpu", "step_ops", "aten operations and Triton launches of one decoding step on the GPU "
                "path (counted under Triton's interpreter, no GPU), per layer beyond the full cache's", threads=1),
 ]
