@@ -27,3 +27,23 @@ def test_the_attention_of_one_step_alone():
     assert a["attn_s"] > 0 and b["attn_s"] > 0 and a["attn_gpu_s"] is None
     r = _over_sdpa(b, a)
     assert r["attn_over_sdpa"] == b["attn_s"] / a["attn_s"] and r["attn_gpu_over_sdpa"] is None
+
+
+def test_a_profiled_step_leaves_the_cache_as_it_was_and_counts_what_it_dispatches():
+    """benchmarks/gpu_profile.py on the CPU: no CUDA kernels, the host's operations counted (more for a coded
+    cache than the full one: its rotation and its tail beside the codes), the cache cropped back each time."""
+    from benchmarks.gpu_profile import profiled, table
+
+    model = tiny_llama(head_dim=64)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))
+    rows = []
+    for name, budget, knobs in (("full", 1.0, {}), ("turboquant", 0.3, {"bits": 3.5})):
+        cache = kvsum.compress(model, ids, method=name, budget=budget, **knobs)
+        length = cache.get_seq_length()
+        r = profiled(model, cache, ids[:, :1], rounds=2, device="cpu")
+        assert cache.get_seq_length() == length
+        assert r["kernels"] == 0 and r["gpu_busy_ms"] == 0 and r["top"] == [] and r["step_ms"] > 0
+        rows.append(dict(length=300, method=name, budget=budget, **r))
+    assert rows[1]["aten_ops"] > rows[0]["aten_ops"] > 0
+    lines = table(rows)
+    assert lines[-2].startswith("| 300 | `full` | 1 | ") and "| 1.00 | 0 | 0.00 | nan |" in lines[-2]
