@@ -7,10 +7,12 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      token (at 0.25 little more than the sinks and the recent window are exact): the codes keep every token
      approximately present, where a selection at a quarter of the bytes loses retrieval;
   2. below, where 3.5-bit codes of every token no longer fit: summary's selection stored as TurboQuant codes
-     (`summary+turboquant`), anchors chosen as whole sentences ranked by surprisal (a fact is a sentence, not
-     its sharpest token), key bits shifted from diffuse to sharp layers (key_shift=1) and keys centered per head
-     before coding (center=True: a code spent on a head's constant key offset is lost to what differs, and
-     Qwen's large key biases garble uncentered answers), and every layer and head given the same share
+     (`summary+turboquant`), anchors chosen as whole sentences (a fact is a sentence, not its sharpest token)
+     ranked by their peak surprisal for their length (a short fact with one surprising word before a long
+     sentence with a rare one: scores.sentences), key bits shifted from diffuse to sharp layers (key_shift=1)
+     and keys centered per head before coding (center=True: a code spent on a head's constant key offset is
+     lost to what differs, and Qwen's large key biases garble uncentered answers), and every layer and head
+     given the same share
      (entropy_allocation=False: a sentence is kept or not in every layer; spread by attention entropy, the sharp
      layers' smaller shares cut the needle's sentence where the diffuse ones keep it, and its value comes out
      garbled or not at all);

@@ -11,6 +11,7 @@ from .fit import surprisal_spans
 
 SCORES = ("hybrid", "surprisal", "sentence", "repeat", "sharp_mass", "max", "mass")
 MAX_SENTENCE = 64  # tokens: a longer stretch without a sentence end is cut into pieces of this length
+LENGTH_CAP = 32  # tokens: a sentence's rank stops falling with its length here (a uuid is 42-49 of Qwen's tokens)
 
 
 def rank(score: Tensor) -> Tensor:
@@ -61,12 +62,15 @@ def token_surprisal(x, score: str, span: int = 1) -> Tensor:
 
 
 def sentences(x) -> Tensor:
-    """Whole sentences ranked by their surprisal: a sentence is kept as soon as its mean (information per
-    token kept) or its peak (one token the model could not guess) ranks it, like "hybrid".
+    """Whole sentences ranked by their peak surprisal over the square root of their length (at most LENGTH_CAP):
+    one token the model could not guess, for the bytes the sentence costs.
 
-    A fact's digits carry less surprisal than the prose around them; scored alone they rank below the
-    cut and the fact survives without its value. A fact stated in a template seen before has a low mean
-    but still a surprising word. Sentences end at tokens holding . ! ? or a newline."""
+    A fact's digits carry less surprisal than the prose around them; scored alone they rank below the cut and
+    the fact survives without its value, so a sentence is kept or dropped whole. A fact in a template read
+    before (the fourth of five) has a low mean surprisal but one surprising word, and it is short: by its mean
+    it ranks below the prose, by its peak alone below prose sentences that cost three times its bytes for one
+    rare word. Past LENGTH_CAP tokens a sentence is not ranked lower for its length: a long value (a uuid, a
+    hash, a line of code) needs every token. Sentences end at tokens holding . ! ? or a newline."""
     if x.sentence_ends is None:
         raise KVSumError("score='sentence' needs sentence ends: kvsum.compress(..., tokenizer=tokenizer)")
     s = token_surprisal(x, "sentence")
@@ -77,6 +81,6 @@ def sentences(x) -> Tensor:
     piece = sent * x.T + (pos - start[sent]) // MAX_SENTENCE  # long sentences cut into pieces
     seg = torch.unique_consecutive(piece, return_inverse=True)[1]
     n = int(seg[-1]) + 1
-    mean = s.new_zeros(n).index_add(0, seg, s) / s.new_zeros(n).index_add(0, seg, torch.ones_like(s))
+    length = s.new_zeros(n).index_add(0, seg, torch.ones_like(s))
     peak = s.new_full((n,), -float("inf")).scatter_reduce(0, seg, s, "amax")
-    return -torch.minimum(rank(mean), rank(peak))[seg]
+    return -rank(peak / length.clamp(max=LENGTH_CAP).sqrt())[seg]

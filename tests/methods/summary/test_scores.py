@@ -8,30 +8,33 @@ from tests.helpers import SentenceTokenizer, reference_layer
 
 
 def test_sentence_score_keeps_or_drops_whole_sentences():
-    """Every token of a sentence gets one score: a sentence ranks by the better of its mean surprisal and its
-    peak, so a fact whose value is unsurprising ranks with its surprising word; a stretch longer than
-    MAX_SENTENCE without a sentence end is cut into pieces ranked apart."""
-    from kvsum.methods.summary.scores import MAX_SENTENCE, sentences
+    """Every token of a sentence gets one score: its peak surprisal over the square root of its length, the length
+    counted up to LENGTH_CAP; a stretch longer than MAX_SENTENCE without a sentence end is cut into pieces ranked
+    apart. A short fact with one surprising word ranks above a longer sentence with a more surprising one."""
+    from kvsum.methods.summary.scores import LENGTH_CAP, MAX_SENTENCE, sentences
 
-    T = 2 * MAX_SENTENCE + 60
+    assert 14 < LENGTH_CAP < 40 < MAX_SENTENCE
+    T = 59 + 2 * MAX_SENTENCE
     x = reference_layer(T=T)
     s = torch.full((T,), 1.0)
     s[0] = float("inf")
     s[1:5] = 0.5  # sentence [0, 5): position 0 (no surprisal) ranks it with the most surprising
-    s[5:20] = 0.3
-    s[8] = 9.0  # sentence [5, 20): one surprising word, the rest (the "digits") low: mean below every other
-    s[20:30] = 4.0  # sentence [20, 30): the highest mean (4.0), peak 4.0
+    s[5:19] = 0.3
+    s[8] = 6.0  # sentence [5, 19), 14 tokens: one surprising word, the rest (the "digits") low
+    s[19:59] = 2.0
+    s[30] = 8.0  # sentence [19, 59), 40 tokens: a higher mean and a higher peak, but almost three times the bytes
+    s[70] = 8.5  # a stretch [59, T) without an end: its first piece (MAX_SENTENCE tokens) holds the peak
     ends = torch.zeros(T, dtype=torch.bool)
-    ends[[4, 19, 29]] = True  # then one long stretch [30, T) without an end
-    s[30 + MAX_SENTENCE + 3] = 5.0  # in the long stretch's second piece only
+    ends[[4, 18, 58]] = True
     x.surprisal, x.sentence_ends = s, ends
     score = sentences(x)
-    pieces = [(0, 5), (5, 20), (20, 30), (30, 30 + MAX_SENTENCE), (30 + MAX_SENTENCE, 30 + 2 * MAX_SENTENCE)]
+    pieces = [(0, 5), (5, 19), (19, 59), (59, 59 + MAX_SENTENCE), (59 + MAX_SENTENCE, T)]
     for a, b in pieces:
         assert torch.all(score[a:b] == score[a])  # whole sentences
-    first, fact, dense, long1, long2 = (float(score[a]) for a, _ in pieces)
-    # the fact by its peak, the dense sentence by its mean, the piece holding 5.0 above the flat one
-    assert min(first, fact, dense) > long2 > long1
+    first, fact, prose, long1, long2 = (float(score[a]) for a, _ in pieces)
+    # the fact above the longer prose sentence; past LENGTH_CAP a piece is not ranked lower for its length (64
+    # tokens with a peak of 8.5 above 40 with 8.0); the flat piece last
+    assert first > fact > long1 > prose > long2
     x.sentence_ends = None
     with pytest.raises(kvsum.KVSumError, match="tokenizer"):
         sentences(x)
