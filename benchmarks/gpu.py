@@ -91,16 +91,16 @@ def load(args):
     return model, AutoTokenizer.from_pretrained(args.random_weights)
 
 
-def refusal(device: str) -> str | None:
-    """Why this machine cannot run the benchmark (one line), or None."""
+def refusal(device: str, who: str = "benchmarks.gpu") -> str | None:
+    """Why this machine cannot run the benchmark `who` (one line), or None."""
     if device == "cpu":
         return None
     if not torch.cuda.is_available():
-        return "benchmarks.gpu: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"
+        return f"{who}: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"
     import kvsum.kernels
 
     if not kvsum.kernels.enabled():
-        return "benchmarks.gpu: the Triton kernels are off (triton not installed: pip install 'kvsum[gpu]', " \
+        return f"{who}: the Triton kernels are off (triton not installed: pip install 'kvsum[gpu]', " \
                "or KVSUM_NATIVE=0)"
     return None
 
@@ -205,31 +205,56 @@ def step_attention(model, cache, device: str) -> dict:
     return dict(attn_s=_bench(fn, device), attn_gpu_s=_bench(fn, device, graph=True), attn_bytes=held)
 
 
+def made(specs: list[str]) -> dict:
+    """spec -> (built method, budget) for method specs with their budget after @ (0.25 where none is given)."""
+    from kvsum.methods import make_method
+
+    from .specs import parse_row
+
+    return {s: (make_method(name, **knobs), (budgets or [0.25])[0])
+            for s, (name, knobs, budgets) in ((s, parse_row(s)) for s in specs)}
+
+
+@torch.no_grad()
+def prompt(model, tok, args):
+    """The longest prompt (real prose) on args.device, after a warm-up forward (the first forward's library set-up
+    stays out of the prefill times)."""
+    from kvsum.eval.text import prose_ids
+
+    ids = prose_ids(tok, max(args.lengths)).to(args.device)
+    model(ids[:, :256])
+    return ids
+
+
+def prefilled(model, tok, x, method, prefills: dict, failed: list, device: str):
+    """(prefill, seconds) of prompt x with what `method` asks for, one per prefill kind (kept in `prefills`), or
+    None where the prefill failed."""
+    import kvsum
+    from kvsum.methods import prefill_needs
+
+    opts = tuple(sorted(prefill_needs([method]).items()))
+    if opts not in prefills:
+        prefills[opts] = attempt(failed, f"prefill {dict(opts)} at {x.shape[1]}", lambda o=dict(opts):
+                                 _timed(lambda: kvsum.prefill(model, x, tokenizer=tok, **o), device))
+    return prefills[opts]
+
+
 @torch.no_grad()
 def measure(model, tok, args, rows: list, failed: list, done) -> None:
     """Rows per length and method into `rows` (failures into `failed`); done() after each length."""
     import kvsum
-    from kvsum.eval.text import prose_ids
-    from kvsum.methods import make_method, prefill_needs
+    from kvsum.methods import make_method
 
-    from .specs import parse_row
-
-    specs = [parse_row(s) for s in args.methods]
-    made = {s: (make_method(name, **knobs), (budgets or [0.25])[0]) for s, (name, knobs, budgets) in
-            zip(args.methods, specs)}
-    ids = prose_ids(tok, max(args.lengths)).to(args.device)
-    model(ids[:, :256])  # warm-up: the first forward's library set-up stays out of the prefill times
+    methods = made(args.methods)
+    ids = prompt(model, tok, args)
     for L in sorted(args.lengths):
         caches, info = {}, {}
         prefills = {}
-        for spec, (method, budget) in [("full", (make_method("full"), 1.0)), *made.items()]:
-            opts = tuple(sorted(prefill_needs([method]).items()))
-            if opts not in prefills:
-                prefills[opts] = attempt(failed, f"prefill {dict(opts)} at {L}", lambda o=dict(opts), x=ids[:, :L]:
-                                         _timed(lambda: kvsum.prefill(model, x, tokenizer=tok, **o), args.device))
-            if prefills[opts] is None:
+        for spec, (method, budget) in [("full", (make_method("full"), 1.0)), *methods.items()]:
+            got = prefilled(model, tok, ids[:, :L], method, prefills, failed, args.device)
+            if got is None:
                 continue
-            pre, t_pre = prefills[opts]
+            pre, t_pre = got
             done_ = attempt(failed, f"{spec} at {L}", lambda m=method, b=budget, p=pre:
                             _timed(lambda: kvsum.compress_prefill(p, m, b), args.device))
             if done_ is None:
@@ -292,21 +317,30 @@ def table(rows: list[dict], failed: list[str]) -> list[str]:
     return out + ([""] + [f"Failed: {f}" for f in failed] if failed else [])
 
 
+def ready(args, who: str = "benchmarks.gpu"):
+    """(model, tokenizer, start time, device name) for a GPU benchmark, or None where this machine cannot run it
+    (the reason printed in one line)."""
+    why = refusal(args.device, who)
+    if why:
+        print(why, file=sys.stderr)
+        return None
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model, tok = load(args)
+    return model, tok, t0, torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.export:
         export(args.model, args.export)
         return 0
-    why = refusal(args.device)
-    if why:
-        print(why, file=sys.stderr)
+    got = ready(args)
+    if got is None:
         return 2
     from .common import write_page
 
-    torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    model, tok = load(args)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    model, tok, t0, device = got
     rows, failed = [], []
     weights = "random (seeded; the bundled model's config)" if args.random_weights else "the bundled model's"
     title = "The GPU path: decode step, KV memory, prefill + compression"

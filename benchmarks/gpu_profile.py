@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
-from .gpu import METHODS, attempt, load, refusal
+from .gpu import METHODS, _sync, _timed, attempt, made, prefilled, prompt, ready
 from .gpu import parser as gpu_parser
 
 
@@ -39,22 +38,16 @@ def profiled(model, cache, token, rounds: int, device: str) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(3):
-        model(token, cache=cache)
-        cache.crop(-1)
     walls = []
-    for _ in range(rounds):
-        sync()
-        t = time.perf_counter()
-        model(token, cache=cache)
-        sync()
-        walls.append(time.perf_counter() - t)
+    for r in range(3 + rounds):  # three warm-up steps first
+        _, s = _timed(lambda: model(token, cache=cache), device)
         cache.crop(-1)
+        if r >= 3:
+            walls.append(s)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         model(token, cache=cache)
-        sync()
+        _sync(device)
     cache.crop(-1)
     events = prof.events()
     gpu = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -63,36 +56,30 @@ def profiled(model, cache, token, rounds: int, device: str) -> dict:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
     return dict(step_ms=statistics.median(walls) * 1e3, kernels=len(gpu),
-                gpu_busy_ms=sum(e.device_time for e in gpu) / 1e3,
+                gpu_busy_ms=sum(by_name.values()) / 1e3,
                 aten_ops=sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")),
                 top=[(name[:60], round(us, 1)) for name, us in top])
 
 
 @torch.no_grad()
 def measure(model, tok, args, rows: list, failed: list) -> None:
+    """Rows per length and method into `rows`, one prefill per length and prefill kind (failures into `failed`)."""
     import kvsum
-    from kvsum.eval.text import prose_ids
-    from kvsum.methods import make_method, prefill_needs
 
-    from .specs import parse_row
-
-    ids = prose_ids(tok, max(args.lengths)).to(args.device)
-    model(ids[:, :256])
+    methods = made(args.methods)
+    ids = prompt(model, tok, args)
     for L in sorted(args.lengths):
-        for spec in args.methods:
-            name, knobs, budgets = parse_row(spec)
-            method, budget = make_method(name, **knobs), (budgets or [0.25])[0]
-
-            def one(m=method, b=budget, x=ids[:, :L]):
-                pre = kvsum.prefill(model, x, tokenizer=tok, **prefill_needs([m]))
-                return profiled(model, kvsum.compress_prefill(pre, m, b), ids[:, :1], args.rounds, args.device)
-
-            r = attempt(failed, f"{spec} at {L}", one)
-            if r is not None:
-                rows.append(dict(length=L, method=name, budget=budget, **r))
+        prefills = {}
+        for spec, (method, budget) in methods.items():
+            got = prefilled(model, tok, ids[:, :L], method, prefills, failed, args.device)
+            r = got and attempt(failed, f"{spec} at {L}", lambda m=method, b=budget, p=got[0]: profiled(
+                model, kvsum.compress_prefill(p, m, b), ids[:, :1], args.rounds, args.device))
+            if r:
+                rows.append(dict(length=L, method=spec.rpartition("@")[0] or spec, budget=budget, **r))
                 print(rows[-1], flush=True)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
+        del prefills
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -116,18 +103,14 @@ def table(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    why = refusal(args.device)
-    if why:
-        print(why.replace("benchmarks.gpu", "benchmarks.gpu_profile"), file=sys.stderr)
+    got = ready(args, "benchmarks.gpu_profile")
+    if got is None:
         return 2
     from .common import write_page
 
-    torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    model, tok = load(args)
+    model, tok, t0, device = got
     rows, failed = [], []
     measure(model, tok, args, rows, failed)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     write_page(rows, args, t0, "Where a decoding step's time goes on the GPU", table(rows), device=device,
                dtype=args.dtype, failed=failed)
     return 1 if failed else 0
