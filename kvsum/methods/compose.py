@@ -27,7 +27,7 @@ from .base import LayerInput, Method, Plan
 from .quant.stream import QuantStream
 from .quantizer import KeyShiftPlan, Quantizer
 from .refusal import budget_hint, least_budget
-from .sinks import split_sinks
+from .sinks import split_exact
 
 
 @dataclass(frozen=True)
@@ -222,14 +222,16 @@ class Composed(Method):
         index = (1 if x.H <= 127 else 2) if ragged else 0
         return inner + (2 * bias + index) * x.H * n
 
-    def _sinks(self, x: LayerInput) -> int:
-        """Prompt tokens kept exact beside the codes: the first method's sinks (summary's `sinks`; 0 without)."""
-        return min(getattr(self.first, "sinks", 0), x.T)
+    def _exact(self, x: LayerInput) -> tuple[int, int]:
+        """Prompt tokens kept exact beside the codes (see split_exact): the first method's sinks and newest tokens
+        (summary's `sinks` and `recent_exact`; none without)."""
+        sinks = min(getattr(self.first, "sinks", 0), x.T)
+        return sinks, min(getattr(self.first, "recent_exact", 0), x.T - sinks)
 
     def _target(self, x: LayerInput, bias: bool, ragged: bool, quant: Quantizer, shift: int) -> int:
         """The first method's budget: the 16-bit bytes of the most entries per head whose bytes fit, its sinks exact
-        (see split_sinks) and the rest quantized, so the first method runs once per layer, not again to shrink."""
-        s = self._sinks(x)
+        (see split_exact) and the rest quantized, so the first method runs once per layer, not again to shrink."""
+        s = sum(self._exact(x))
         lo, hi = 0, x.T
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -265,7 +267,7 @@ class Composed(Method):
             if not isinstance(kept, EntryState):
                 raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
                                  "entries can be quantized (for summary: lowrank_share=0)")
-            exact, kept = split_sinks(kept, x.keys, x.values, self._sinks(x))
+            exact, kept = split_exact(kept, x.keys, x.values, *self._exact(x))
             state = self.quantize(kept, x, quant, shift, note)
             if exact is not None:
                 state = ConcatState([exact, state])
@@ -293,7 +295,7 @@ class Composed(Method):
         return ComposedState(inner, lengths, bias, kept.head_of, quant, shift, x.storage, note)
 
     def stream(self, layer_idx: int, state) -> QuantStream | None:
-        state = state.parts[-1] if isinstance(state, ConcatState) else state  # exact sinks, then the codes
+        state = state.parts[-1] if isinstance(state, ConcatState) else state  # exact tokens, then the codes
         if not isinstance(state, ComposedState):
             return None
         return QuantStream(self.quant.group, self.quant.residual,

@@ -114,3 +114,22 @@ def test_the_sinks_summary_keeps_stay_exact_beside_the_codes(monkeypatch):
     assert cache.layers[0].stream is not None  # decoded tokens are still coded
     plain = kvsum.compress(model, ids, method="snapkv+turboquant", budget=0.125)
     assert isinstance(plain.layers[0].state, ComposedState)
+
+
+def test_the_newest_tokens_stay_exact_beside_the_codes_with_recent_exact():
+    """summary's `recent_exact` newest prompt tokens join the sinks outside the codes, in the same bytes."""
+    model, ids = tiny_llama(), torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
+    pre = kvsum.prefill(model, ids, surprisal=True)
+    caches = {r: kvsum.compress_prefill(pre, make_method("summary+turboquant", summary_recent_exact=r), 0.125)
+              for r in (0, 8)}
+    for i, (layer, before) in enumerate(zip(caches[8].layers, caches[0].layers)):
+        keys = pre.cache.layers[i].keys[0]
+        exact = layer.state.parts[0]
+        assert exact.lengths() == [4 + 8] * keys.shape[0]
+        want = torch.cat([keys[:, :4], keys[:, -8:]], 1).half()
+        assert torch.equal(exact.keys.view(keys.shape[0], 12, -1), want)
+        # the exact tokens cost ~4.5 coded entries each: fewer coded entries, the same bytes
+        assert layer.state.parts[-1].lengths()[0] < before.state.parts[-1].lengths()[0]
+    assert caches[8].nbytes() <= 0.125 * caches[8].reference_nbytes * 1.01
+    with pytest.raises(kvsum.KVSumError, match="recent_exact must be in"):
+        make_method("summary+turboquant", summary_recent_exact=40)

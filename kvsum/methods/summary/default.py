@@ -16,8 +16,11 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      (entropy_allocation=False: a sentence is kept or not in every layer; spread by attention entropy, the sharp
      layers' smaller shares cut the needle's sentence where the diffuse ones keep it, and its value comes out
      garbled or not at all);
+     at 3 bits a 64-token recent window, its newest 8 tokens exact beside the codes (LOCAL: the next tokens
+     read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error);
      below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser: at 0.05 of the bytes that pays,
-     at 0.1 the 3-bit default does);
+     at 0.1 the 3-bit default does), with summary's own 32-token window, none exact (there the window's bytes
+     cost retrieval more than they return);
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
 dim: the cover's fixed costs), and summary's own defaults come last.
@@ -36,6 +39,7 @@ COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}),
 CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
+LOCAL = {"summary_window": 64, "summary_recent_exact": 8}  # the sentence composition at 3 bits
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
@@ -48,6 +52,9 @@ def rows(budget: float, sentences: bool) -> list[tuple[str, dict, str]]:
     codes.append(CODES)
     if budget < TWO_BITS_BELOW:
         codes = [(name, {**knobs, "bits": 2}, why + ", 2-bit") for name, knobs, why in codes]
+    elif sentences:
+        name, knobs, why = codes[0]
+        codes[0] = (name, {**knobs, **LOCAL}, why + ", a 64-token window, its newest 8 tokens exact")
     return [*top, *codes, PLAIN]
 
 

@@ -56,6 +56,8 @@ class Summary(Method):
     Attributes:
         sinks: the first tokens, always anchors.
         window: the newest tokens, anchors first after the sinks.
+        recent_exact: in a composition, the newest tokens (of the window) kept exact beside the codes, with the
+            sinks: the next tokens read them hardest (kvsum/methods/sinks.py).
         anchor_share: share of a head's bytes for exact anchors.
         lowrank_share: share of a head's bytes for the low-rank tier.
         max_rank: the low-rank tier's largest rank.
@@ -79,6 +81,7 @@ class Summary(Method):
     composed_defaults = {"by_budget": False}  # a composition's summary is the one configured, never the rule
     sinks: int = 4
     window: int = 32
+    recent_exact: int = 0
     anchor_share: float = 0.8
     lowrank_share: float = 0.0
     max_rank: int = 16
@@ -98,12 +101,13 @@ class Summary(Method):
         for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
-        if self.anchor_share + self.lowrank_share > 1:
-            raise KVSumError("anchor_share + lowrank_share must be at most 1")
-        if self.score not in SCORES:
-            raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        if self.key_mode not in ("max", "mean"):
-            raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
+        for ok, why in ((0 <= self.recent_exact <= self.window, f"recent_exact must be in [0, window={self.window}]"
+                                                                f", got {self.recent_exact}"),
+                        (self.anchor_share + self.lowrank_share <= 1, "anchor_share + lowrank_share must be at most 1"),
+                        (self.score in SCORES, f"score must be one of {', '.join(SCORES)}, got {self.score!r}"),
+                        (self.key_mode in ("max", "mean"), f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")):
+            if not ok:
+                raise KVSumError(why)
         check_cover(self.cover)
 
     def choices(self, budget: float, tokens: int, sentences: bool) -> list[Choice]:
@@ -150,7 +154,7 @@ class Summary(Method):
         """(the layers' fractions with `cover`, a note where they were floored at the cover and sinks), or
         (None, "") where the budget cannot hold them in every layer."""
         fractions = self._fractions(inputs, budget, means, shifts, cover)
-        need = [(self._cover(x, self._elem(x), shifts.get(x.layer_idx, 0), cover)[1] + self._sink_bytes(x))
+        need = [(self._cover(x, x.storage.itemsize, shifts.get(x.layer_idx, 0), cover)[1] + self._sink_bytes(x))
                 / full_nbytes(1, x.H, x.d, x.T) * (1 + 1e-9) for x in inputs]
         short = sum(max(0.0, n - f) for f, n in zip(fractions, need))
         if not short:
@@ -166,36 +170,32 @@ class Summary(Method):
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
         w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
         x = inputs[0]  # the cover costs every layer the same; only the anchors' bytes are spread
-        base = min(budget, self._cover(x, self._elem(x), shifts.get(x.layer_idx, 0), cover)[1]
+        base = min(budget, self._cover(x, x.storage.itemsize, shifts.get(x.layer_idx, 0), cover)[1]
                    / (2 * x.H * x.T * x.d * 2))
         f = (base + (budget - base) * w / w.mean()).clamp(max=1.0)
         return [float(v) for v in f * (budget * len(inputs) / f.sum()).clamp(max=1.0)]
-
-    @staticmethod
-    def _elem(x: LayerInput) -> int:
-        return torch.empty(0, dtype=x.storage).element_size()
 
     def _uncovered_note(self) -> str:
         return f"no cover: {self.cover.name}'s fixed costs exceed the layer's full bytes"
 
     def _sink_bytes(self, x: LayerInput) -> int:
         """The sinks' bytes beside a code cover (always anchors, each also skipped by the cover)."""
-        return min(self.sinks, x.T) * x.H * (2 * x.d * self._elem(x) + EXCLUDED_BYTES)
+        return min(self.sinks, x.T) * x.H * (2 * x.d * x.storage.itemsize + EXCLUDED_BYTES)
 
     def _cover_quant(self, x: LayerInput, budget_bytes: float, shift: int, cover) -> Quantizer | None:
         """The code cover's quantizer for layer x: `cover`, or its lighter variant where only that one's bytes
         fit `budget_bytes`."""
-        if cover is None or self._cover(x, self._elem(x), shift, cover)[1] <= budget_bytes:
+        if cover is None or self._cover(x, x.storage.itemsize, shift, cover)[1] <= budget_bytes:
             return cover
         light = cover.lighter(x.d)
-        if light is not None and self._cover(x, self._elem(x), shift, light)[1] <= budget_bytes:
+        if light is not None and self._cover(x, x.storage.itemsize, shift, light)[1] <= budget_bytes:
             return light
         return cover
 
     def compress(self, x: LayerInput, plan: Plan | None = None):
         if x.queries is None:
             raise KVSumError("summary needs reference queries (use kvsum.compress, which captures them)")
-        elem = self._elem(x)
+        elem = x.storage.itemsize
         shift = plan.shift(x.layer_idx) if isinstance(plan, KeyShiftPlan) else 0
         planned = plan if isinstance(plan, SummaryPlan) else SummaryPlan((), cover=self.cover)
         quant = self._cover_quant(x, x.budget_bytes, shift, planned.cover)
