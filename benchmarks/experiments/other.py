@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from .base import Experiment, spec, tq
 
+# the flagship's sentence composition before its recent window (the rule's knobs at 0.125-0.1, 32-token window)
+COMPOSED = "summary+turboquant"
+SENTENCES = dict(score="sentence", key_shift=1, center=True, entropy_allocation=False)
+
 PLAIN = "summary:by_budget=False"  # summary with its own defaults (before "summary" meant the flagship by budget)
 PERF = ("turboquant", "kivi", PLAIN, "summary+turboquant", "streaming_llm", "snapkv")
 GEMMA = ("full", "streaming_llm", "snapkv", "restkv", PLAIN, "turboquant", "kivi", "echokv", "lowrank")
@@ -141,6 +145,18 @@ EXPERIMENTS = [
                lengths=(2048,), n=50, threads=2,
                methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
+    Experiment("kl_positions", "frontier", "kl_positions", "lm KL by the continuation's position on dev seeds "
+               "(where the flagship's KL lies at 0.1 / 0.05 beside SnapKV's selection as codes and codes alone; a "
+               "longer recent window, the newest tokens exact)", lengths=(2048,), n=16, threads=2,
+               methods=("summary@0.125,0.1,0.05", spec(COMPOSED, (0.125, 0.1), **SENTENCES),
+                        spec(COMPOSED, (0.1,), **SENTENCES, summary_window=128),
+                        spec(COMPOSED, (0.1,), **SENTENCES, summary_recent_exact=8),
+                        spec(COMPOSED, (0.05,), **SENTENCES, bits=2, summary_recent_exact=8),
+                        spec(COMPOSED, (0.05,), **SENTENCES, bits=2, summary_window=64, summary_recent_exact=8),
+                        spec("snapkv+turboquant", (0.1, 0.05), key_shift=1),
+                        spec("turboquant", (0.2,), bits=2, center=True),
+                        spec("turboquant", (0.3,), bits=3, center=True)),
+               args=("--seed", "1000")),
     Experiment("bad_input", "robust", "bad_input", "every bad input and the error kvsum gives"),
     Experiment("properties", "robust", "properties", "hypothesis statistics of the property tests", ext="txt"),
     Experiment("report", "report", "kvsum", "the decision report (kvsum report): report.html, report.md",

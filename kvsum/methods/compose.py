@@ -223,10 +223,8 @@ class Composed(Method):
         return inner + (2 * bias + index) * x.H * n
 
     def _exact(self, x: LayerInput) -> tuple[int, int]:
-        """Prompt tokens kept exact beside the codes (see split_exact): the first method's sinks and newest tokens
-        (summary's `sinks` and `recent_exact`; none without)."""
-        sinks = min(getattr(self.first, "sinks", 0), x.T)
-        return sinks, min(getattr(self.first, "recent_exact", 0), x.T - sinks)
+        """Prompt tokens kept exact beside the codes (split_exact): the first method's sinks and newest tokens."""
+        return min(getattr(self.first, "sinks", 0), x.T), getattr(self.first, "recent_exact", 0)  # summary's
 
     def _target(self, x: LayerInput, bias: bool, ragged: bool, quant: Quantizer, shift: int) -> int:
         """The first method's budget: the 16-bit bytes of the most entries per head whose bytes fit, its sinks exact
