@@ -79,7 +79,6 @@ def measure(model, tok, args, rows: list, failed: list) -> None:
                 print(rows[-1], flush=True)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-        del prefills
 
 
 def table(rows: list[dict]) -> list[str]:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 
 from kvsum.compress import compress_prefill
-from kvsum.eval.runner import _build, forced_logits, prefill_example
+from kvsum.eval.metrics import token_kl
+from kvsum.eval.runner import forced_logits, prefill_example
 from kvsum.eval.tasks import get_task
+from kvsum.methods import make_method
+from kvsum.spec import Spec
 
 from .common import arguments, method_rows, start, write_page
 
@@ -24,10 +27,9 @@ def by_position(model, tok, specs: list[str], budgets: list[float], length: int,
     kls: list[list[torch.Tensor]] = [[] for _ in configs]
     for ex in task.examples(tok, length, n, seed):
         pre, _, (ref, _) = prefill_example(model, tok, task, ex, configs)
-        p = ref.log_softmax(-1)
         for (name, knobs, budget), out in zip(configs, kls):
-            q = forced_logits(model, ex, compress_prefill(pre, _build(name, knobs), budget)).log_softmax(-1)
-            out.append((p.exp() * (p - q)).sum(-1).clamp_min(0))
+            out.append(token_kl(ref, forced_logits(model, ex, compress_prefill(pre, make_method(name, **knobs),
+                                                                              budget))))
     rows = []
     for (name, knobs, budget), out in zip(configs, kls):
         kl = torch.stack(out)  # (n, positions)
@@ -42,7 +44,7 @@ def table(rows: list[dict]) -> list[str]:
     out = ["| configuration | budget | KL | " + " | ".join(f"positions {s}" for s in spans) + " |",
            "|---|---|---|" + "---|" * len(spans)]
     for r in rows:
-        spec = r["method"] + (":" + ",".join(f"{k}={v}" for k, v in r["knobs"].items()) if r["knobs"] else "")
+        spec = Spec(r["method"], r["knobs"])
         cells = " | ".join(f"{v:.4f}" for v in r["spans"].values())
         out.append(f"| `{spec}` | {r['budget']:g} | {r['kl']:.4f} | {cells} |")
     return out

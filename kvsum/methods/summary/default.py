@@ -40,6 +40,8 @@ CODED = {"center": True, "entropy_allocation": False}  # both compositions: cent
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 LOCAL = {"summary_window": 64, "summary_recent_exact": 8}  # the sentence composition at 3 bits
+SENTENCES_LOCAL = (SENTENCES[0], {**SENTENCES[1], **LOCAL}, SENTENCES[2] + f", a {LOCAL['summary_window']}-token "
+                   f"window, its newest {LOCAL['summary_recent_exact']} tokens exact")
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
@@ -48,13 +50,11 @@ PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 def rows(budget: float, sentences: bool) -> list[tuple[str, dict, str]]:
     """(method, knobs, why) in the rule's order at `budget` (`sentences`: the prefill marks sentence ends)."""
     top = [COVER] if budget >= COVER_FROM else []
-    codes = [SENTENCES] if sentences else []
+    two = budget < TWO_BITS_BELOW
+    codes = [SENTENCES if two else SENTENCES_LOCAL] if sentences else []
     codes.append(CODES)
-    if budget < TWO_BITS_BELOW:
+    if two:
         codes = [(name, {**knobs, "bits": 2}, why + ", 2-bit") for name, knobs, why in codes]
-    elif sentences:
-        name, knobs, why = codes[0]
-        codes[0] = (name, {**knobs, **LOCAL}, why + ", a 64-token window, its newest 8 tokens exact")
     return [*top, *codes, PLAIN]
 
 

@@ -101,13 +101,14 @@ class Summary(Method):
         for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
-        for ok, why in ((0 <= self.recent_exact <= self.window, f"recent_exact must be in [0, window={self.window}]"
-                                                                f", got {self.recent_exact}"),
-                        (self.anchor_share + self.lowrank_share <= 1, "anchor_share + lowrank_share must be at most 1"),
-                        (self.score in SCORES, f"score must be one of {', '.join(SCORES)}, got {self.score!r}"),
-                        (self.key_mode in ("max", "mean"), f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")):
-            if not ok:
-                raise KVSumError(why)
+        if not 0 <= self.recent_exact <= self.window:
+            raise KVSumError(f"recent_exact must be in [0, window={self.window}], got {self.recent_exact}")
+        if self.anchor_share + self.lowrank_share > 1:
+            raise KVSumError("anchor_share + lowrank_share must be at most 1")
+        if self.score not in SCORES:
+            raise KVSumError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.key_mode not in ("max", "mean"):
+            raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
         check_cover(self.cover)
 
     def choices(self, budget: float, tokens: int, sentences: bool) -> list[Choice]:
@@ -154,7 +155,7 @@ class Summary(Method):
         """(the layers' fractions with `cover`, a note where they were floored at the cover and sinks), or
         (None, "") where the budget cannot hold them in every layer."""
         fractions = self._fractions(inputs, budget, means, shifts, cover)
-        need = [(self._cover(x, x.storage.itemsize, shifts.get(x.layer_idx, 0), cover)[1] + self._sink_bytes(x))
+        need = [(self._cover(x, shifts.get(x.layer_idx, 0), cover)[1] + self._sink_bytes(x))
                 / full_nbytes(1, x.H, x.d, x.T) * (1 + 1e-9) for x in inputs]
         short = sum(max(0.0, n - f) for f, n in zip(fractions, need))
         if not short:
@@ -170,7 +171,7 @@ class Summary(Method):
         # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
         w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
         x = inputs[0]  # the cover costs every layer the same; only the anchors' bytes are spread
-        base = min(budget, self._cover(x, x.storage.itemsize, shifts.get(x.layer_idx, 0), cover)[1]
+        base = min(budget, self._cover(x, shifts.get(x.layer_idx, 0), cover)[1]
                    / (2 * x.H * x.T * x.d * 2))
         f = (base + (budget - base) * w / w.mean()).clamp(max=1.0)
         return [float(v) for v in f * (budget * len(inputs) / f.sum()).clamp(max=1.0)]
@@ -185,24 +186,23 @@ class Summary(Method):
     def _cover_quant(self, x: LayerInput, budget_bytes: float, shift: int, cover) -> Quantizer | None:
         """The code cover's quantizer for layer x: `cover`, or its lighter variant where only that one's bytes
         fit `budget_bytes`."""
-        if cover is None or self._cover(x, x.storage.itemsize, shift, cover)[1] <= budget_bytes:
+        if cover is None or self._cover(x, shift, cover)[1] <= budget_bytes:
             return cover
         light = cover.lighter(x.d)
-        if light is not None and self._cover(x, x.storage.itemsize, shift, light)[1] <= budget_bytes:
+        if light is not None and self._cover(x, shift, light)[1] <= budget_bytes:
             return light
         return cover
 
     def compress(self, x: LayerInput, plan: Plan | None = None):
         if x.queries is None:
             raise KVSumError("summary needs reference queries (use kvsum.compress, which captures them)")
-        elem = x.storage.itemsize
         shift = plan.shift(x.layer_idx) if isinstance(plan, KeyShiftPlan) else 0
         planned = plan if isinstance(plan, SummaryPlan) else SummaryPlan((), cover=self.cover)
         quant = self._cover_quant(x, x.budget_bytes, shift, planned.cover)
         uncovered, full = "", full_nbytes(1, x.H, x.d, x.T)
-        if quant is not None and self._cover(x, elem, shift, quant)[1] + self._sink_bytes(x) > full:
+        if quant is not None and self._cover(x, shift, quant)[1] + self._sink_bytes(x) > full:
             quant, uncovered = None, self._uncovered_note()  # so few tokens that no budget holds the codes
-        cover, spend = self._cover(x, elem, shift, quant)
+        cover, spend = self._cover(x, shift, quant)
         sinks = self._sink_bytes(x) if quant is not None else 0
         if cover is not None and spend + sinks > x.budget_bytes:
             what = f"{quant.name}, bits={quant.fixed_bits()}" if quant else f"cover_share={self.cover_share}"
@@ -216,7 +216,7 @@ class Summary(Method):
         else:
             per_head = [left // x.H] * x.H
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
-        heads = [self._head(x, h, per_head[h], elem, info, anchors_only=cover is not None) for h in range(x.H)]
+        heads = [self._head(x, h, per_head[h], info, anchors_only=cover is not None) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
             for h, (a, _, _) in enumerate(heads):
@@ -238,7 +238,7 @@ class Summary(Method):
             state.note = note
         return state
 
-    def _cover(self, x: LayerInput, elem: int, shift: int = 0, quant: Quantizer | None = None):
+    def _cover(self, x: LayerInput, shift: int = 0, quant: Quantizer | None = None):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover; `quant` codes the code
         cover (None: the low-rank cover, if cover_share)."""
         if quant is not None:
@@ -248,7 +248,7 @@ class Summary(Method):
                                                        shift=shift, storage=x.storage, queries=q), ex[:, s:]),
                     quant.charged_nbytes(x.H, x.T - s, x.d, bits, shift=shift, storage=x.storage))
         if self.cover_share > 0:
-            n = x.H * x.d
+            n, elem = x.H * x.d, x.storage.itemsize
             budget = int(x.budget_bytes * self.cover_share)
             total = max(0, (budget - 2 * n * elem) // ((n + x.T) * elem))
             rk = min(n, round(total * self.key_share))
@@ -257,8 +257,8 @@ class Summary(Method):
                     cover_bytes(x.T, x.H, x.d, rk, rv, elem))
         return None, 0
 
-    def _head(self, x: LayerInput, h: int, budget: int, elem: int, info=None, anchors_only: bool = False):
-        T, d = x.T, x.d
+    def _head(self, x: LayerInput, h: int, budget: int, info=None, anchors_only: bool = False):
+        T, d, elem = x.T, x.d, x.storage.itemsize
         # key + value, and the bias slot summaries need or the index by which a cover skips an anchor
         entry = (2 * d + int(not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
         q, pos = group_queries(x, h, self.max_refs)
