@@ -154,3 +154,24 @@ class MaskedState:
         if not _skips(type(self.inner)):
             return None
         return self.inner.online(q, scale, skip=self.exclude.flat)
+
+
+def make_cover(x, quant: Quantizer | None, shift: int, sinks: int, cover_share: float, key_share: float):
+    """(a function exclude -> cover state, its bytes) for layer x, or (None, 0) without a cover: `quant`'s codes
+    of every token but the sinks (always anchors: not coded), else a low-rank cover of `cover_share` of the layer's
+    bytes, `key_share` of its rank to keys."""
+    if quant is not None:
+        bits, s = quant.fixed_bits(), min(sinks, x.T)
+        q = quant.basis_queries(x)
+        return (lambda ex: MaskedState(quant.build(x.keys[:, s:], x.values[:, s:], bits, layer_idx=x.layer_idx,
+                                                   shift=shift, storage=x.storage, queries=q), ex[:, s:]),
+                quant.charged_nbytes(x.H, x.T - s, x.d, bits, shift=shift, storage=x.storage))
+    if cover_share > 0:
+        n, elem = x.H * x.d, x.storage.itemsize
+        budget = int(x.budget_bytes * cover_share)
+        total = max(0, (budget - 2 * n * elem) // ((n + x.T) * elem))
+        rk = min(n, round(total * key_share))
+        rv = min(n, total - rk)
+        return (lambda ex: CoverState(x.keys, x.values, rk, rv, ex, x.rope, x.storage),
+                cover_bytes(x.T, x.H, x.d, rk, rv, elem))
+    return None, 0

@@ -17,7 +17,9 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      layers' smaller shares cut the needle's sentence where the diffuse ones keep it, and its value comes out
      garbled or not at all);
      at 3 bits a 64-token recent window, its newest 8 tokens exact beside the codes (LOCAL: the next tokens
-     read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error);
+     read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
+     and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
+     sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte);
      below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser: at 0.05 of the bytes that pays,
      at 0.1 the 3-bit default does), with summary's own 32-token window, none exact (there the window's bytes
      cost retrieval more than they return);
@@ -39,9 +41,12 @@ COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}),
 CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
-LOCAL = {"summary_window": 64, "summary_recent_exact": 8}  # the sentence composition at 3 bits
+# the sentence composition at 3 bits: what the next tokens read (the window, SnapKV's vote) beside the sentences
+LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0, "summary_attention_share": 0.3}
 SENTENCES_LOCAL = (SENTENCES[0], {**SENTENCES[1], **LOCAL}, SENTENCES[2] + f", a {LOCAL['summary_window']}-token "
-                   f"window, its newest {LOCAL['summary_recent_exact']} tokens exact")
+                   f"window, its newest {LOCAL['summary_recent_exact']} tokens exact, "
+                   f"{LOCAL['summary_attention_share']:.0%} of the anchors by the observation window's vote "
+                   "instead of fitted summaries")
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")

@@ -39,7 +39,7 @@ def importance(x, q: Tensor, pos: Tensor, h: int, info, score: str) -> Tensor:
         win = pos >= x.T - 64
         p = torch.softmax(causal_logits(q[win], pos[win], x.keys[h], x.scale), -1).mean(0)
         p = torch.nn.functional.avg_pool1d(p[None, None], 5, 1, 2, count_include_pad=False)[0, 0, :x.T]
-        return -torch.minimum(rank(p), rank(info))  # kept as soon as either ranking wants it
+        return interleave(info, p, 0.5)  # kept as soon as either ranking wants it
     if info is not None:
         return info.clone()
     if score == "repeat":
@@ -52,6 +52,12 @@ def importance(x, q: Tensor, pos: Tensor, h: int, info, score: str) -> Tensor:
     if score == "mass":
         return p.sum(0)
     return ((1 - normalized_entropy(p, pos))[:, None] * p).sum(0)
+
+
+def interleave(score: Tensor, votes: Tensor, share: float) -> Tensor:
+    """Anchor scores taking `share` of the kept tokens by `votes`, the rest by `score`: the token ranked r by the
+    votes is taken with the one ranked r (1 - share) / share by the score (one both want counts once)."""
+    return -torch.minimum(rank(votes) * (1 - share) / share, rank(score))
 
 
 def token_surprisal(x, score: str, span: int = 1) -> Tensor:

@@ -1,21 +1,21 @@
 """`summary`: entropy-guided anchors, fitted summary entries and a low-rank tier, per KV head.
 
 Per head the byte budget is split by a fixed, explainable rule:
-  - anchors (`anchor_share` of the bytes): exact entries; the attention sinks, the recent window and the
-    tokens of highest entropy-weighted attention mass (mass received from sharp reference rows), or of highest
-    surprisal (score="surprisal"), or whole sentences ranked by surprisal (score="sentence"); scores.py;
-  - low-rank tier (`lowrank_share`): the next most important tokens, kept as rank-r coefficients on the
-    head's own SVD bases, r as large as the share allows (up to `max_rank`);
-  - summaries (the rest): the remaining tokens, in position order, are cut into chunks of consecutive
-    tokens, each replaced by one entry (key, log-mass bias, value) fitted so that it reproduces the chunk's
-    attention mass (NNLS) and output (ridge least squares) over the reference queries.
-With entropy allocation on, diffuse heads and layers (high attention entropy) get more of the budget.
-With a cover (`cover`: a quantizer's codes, e.g. TurboQuant(bits=3.5, center=True), or `cover_share`
-low-rank factors), every token that is not an anchor stays approximately present instead of being
-summarized. The code cover leaves out the attention sinks (always anchors): their keys are unlike every
-other token's, and coded with them they skew the codes' channel split and mean key (docs/results/summary.md).
+  - anchors (`anchor_share` of the bytes): exact entries; the attention sinks, the recent window and the tokens
+    of highest entropy-weighted attention mass (received from sharp reference rows), of highest surprisal
+    (score="surprisal"), or whole sentences ranked by surprisal (score="sentence"), a share of them by SnapKV's
+    vote (attention_share); scores.py;
+  - low-rank tier (`lowrank_share`): the next most important tokens as rank-r coefficients on the head's own
+    SVD bases, r as large as the share allows (up to `max_rank`);
+  - summaries (the rest): the remaining tokens, in position order, cut into chunks of consecutive tokens, each
+    replaced by one entry (key, log-mass bias, value) fitted to reproduce the chunk's attention mass (NNLS) and
+    output (ridge least squares) over the reference queries.
+With entropy allocation on, diffuse heads and layers (high attention entropy) get more of the budget. With a
+cover (`cover`: a quantizer's codes, e.g. TurboQuant(bits=3.5, center=True), or `cover_share` low-rank factors),
+every token that is not an anchor stays approximately present instead of being summarized. The code cover leaves
+out the attention sinks (always anchors): their keys are unlike every other token's, and coded with them they
+skew the codes' channel split and mean key (docs/results/summary.md).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,11 +27,12 @@ from ...errors import KVSumError
 from ...state import ConcatState, EntryState
 from ..attention_stats import causal_logits, group_queries, head_diffuseness
 from ..base import Choice, LayerInput, Method, Plan
+from ..evict.snapkv import SnapKV
 from ..quantizer import KeyShiftPlan, Quantizer
 from ..refusal import budget_hint, least_budget
 from ..registry import register
 from . import default, scores
-from .cover import EXCLUDED_BYTES, CoverState, MaskedState, check_cover, cover_bytes
+from .cover import EXCLUDED_BYTES, check_cover, make_cover
 from .fit import fit_chunk_summaries, split_by_weight
 from .lowrank import LowRankState
 from .scores import SCORES
@@ -58,6 +59,8 @@ class Summary(Method):
         window: the newest tokens, anchors first after the sinks.
         recent_exact: in a composition, the newest tokens (of the window) kept exact beside the codes, with the
             sinks: the next tokens read them hardest (kvsum/methods/sinks.py).
+        attention_share: share of the anchors taken by SnapKV's vote of the observation window (what the next
+            tokens read), interleaved with the score's ranking.
         anchor_share: share of a head's bytes for exact anchors.
         lowrank_share: share of a head's bytes for the low-rank tier.
         max_rank: the low-rank tier's largest rank.
@@ -96,11 +99,14 @@ class Summary(Method):
     cover: Quantizer | None = None
     key_share: float = 0.25
     by_budget: bool = True
+    attention_share: float = 0.0
 
     def __post_init__(self):
         for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
+        if not 0 <= self.attention_share < 1:
+            raise KVSumError(f"attention_share must be in [0, 1), got {self.attention_share}")
         if not 0 <= self.recent_exact <= self.window:
             raise KVSumError(f"recent_exact must be in [0, window={self.window}], got {self.recent_exact}")
         if self.anchor_share + self.lowrank_share > 1:
@@ -216,7 +222,8 @@ class Summary(Method):
         else:
             per_head = [left // x.H] * x.H
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
-        heads = [self._head(x, h, per_head[h], info, anchors_only=cover is not None) for h in range(x.H)]
+        votes = SnapKV().score(x) if self.attention_share else None
+        heads = [self._head(x, h, per_head[h], info, votes, cover is not None) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
             for h, (a, _, _) in enumerate(heads):
@@ -239,30 +246,17 @@ class Summary(Method):
         return state
 
     def _cover(self, x: LayerInput, shift: int = 0, quant: Quantizer | None = None):
-        """(a function exclude -> cover state, its bytes), or (None, 0) without a cover; `quant` codes the code
-        cover (None: the low-rank cover, if cover_share)."""
-        if quant is not None:
-            bits, s = quant.fixed_bits(), min(self.sinks, x.T)  # the sinks are always anchors: not coded
-            q = quant.basis_queries(x)
-            return (lambda ex: MaskedState(quant.build(x.keys[:, s:], x.values[:, s:], bits, layer_idx=x.layer_idx,
-                                                       shift=shift, storage=x.storage, queries=q), ex[:, s:]),
-                    quant.charged_nbytes(x.H, x.T - s, x.d, bits, shift=shift, storage=x.storage))
-        if self.cover_share > 0:
-            n, elem = x.H * x.d, x.storage.itemsize
-            budget = int(x.budget_bytes * self.cover_share)
-            total = max(0, (budget - 2 * n * elem) // ((n + x.T) * elem))
-            rk = min(n, round(total * self.key_share))
-            rv = min(n, total - rk)
-            return (lambda ex: CoverState(x.keys, x.values, rk, rv, ex, x.rope, x.storage),
-                    cover_bytes(x.T, x.H, x.d, rk, rv, elem))
-        return None, 0
+        """(a function exclude -> cover state, its bytes), or (None, 0) without a cover (cover.py)."""
+        return make_cover(x, quant, shift, self.sinks, self.cover_share, self.key_share)
 
-    def _head(self, x: LayerInput, h: int, budget: int, info=None, anchors_only: bool = False):
+    def _head(self, x: LayerInput, h: int, budget: int, info=None, votes=None, anchors_only: bool = False):
         T, d, elem = x.T, x.d, x.storage.itemsize
         # key + value, and the bias slot summaries need or the index by which a cover skips an anchor
         entry = (2 * d + int(not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
         q, pos = group_queries(x, h, self.max_refs)
         importance = scores.importance(x, q, pos, h, info, self.score)
+        if votes is not None:
+            importance = scores.interleave(importance, votes[h], self.attention_share)
         # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
         n_anchor = min(T, int(budget * (1.0 if anchors_only else self.anchor_share)) // entry)
         lr_bytes = int(budget * self.lowrank_share)

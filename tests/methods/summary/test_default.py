@@ -22,17 +22,20 @@ def test_the_rule_orders_its_configurations_by_budget():
                                   "score": "surprisal"})
     assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True,
                                              "entropy_allocation": False, "summary_window": 64,
-                                             "summary_recent_exact": 8})
+                                             "summary_recent_exact": 8, "summary_anchor_share": 1.0,
+                                             "summary_attention_share": 0.3})
     first = default.choices(0.1, True)[0].method.first
     assert not first.entropy_allocation  # a sentence kept alike in every layer
     assert (first.window, first.recent_exact) == (64, 8)  # at 3 bits the newest tokens stay exact
+    assert (first.anchor_share, first.attention_share) == (1.0, 0.3)  # and the window's vote takes 3 anchors in 10
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
     assert low == [("summary+turboquant", {"center": True, "entropy_allocation": False}),
                    ("summary", {"by_budget": False})]  # no cover, no sentences
     two = default.choices(0.05, sentences=True)  # below TWO_BITS_BELOW the codes are 2-bit
     assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
-    assert (two[0].method.first.window, two[0].method.first.recent_exact) == (32, 0)  # at 2 bits: sentences
+    two_first = two[0].method.first
+    assert (two_first.window, two_first.recent_exact, two_first.attention_share) == (32, 0, 0)  # 2 bits: sentences
     for c in two:  # every configuration the rule builds stands for itself
         assert c.method.choices(0.05, 100, True)[0].method is c.method
 

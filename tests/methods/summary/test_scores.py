@@ -47,3 +47,15 @@ def test_sentence_score_needs_the_tokenizer(tiny, ids):
     small = ids % len(tok.chars)
     cache = kvsum.compress(tiny, small, method="summary", budget=0.25, score="sentence", tokenizer=tok)
     assert cache.nbytes() <= 0.27 * cache.reference_nbytes
+
+
+def test_interleave_takes_its_share_by_the_votes():
+    """The kept tokens (the top of the interleaved score) are `share` by the votes and the rest by the score; a
+    token both rankings want is kept once."""
+    from kvsum.methods.summary.scores import interleave
+
+    score, votes = torch.arange(100.0, 0, -1), torch.arange(100.0)  # opposite rankings: no token wanted by both
+    top = torch.argsort(interleave(score, votes, 0.25), descending=True)[:40]
+    assert (top >= 50).sum() == 10 and set(range(30)) <= set(top.tolist())  # 10 by the votes, 30 by the score
+    same = torch.argsort(interleave(score, score, 0.25), descending=True)[:40]
+    assert set(same.tolist()) == set(range(40))  # one ranking twice: its top 40

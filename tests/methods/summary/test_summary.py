@@ -6,6 +6,7 @@ import torch
 import kvsum
 from kvsum.methods import make_method
 from kvsum.methods.attention_stats import causal_logits
+from kvsum.methods.summary.summary import Summary
 from tests.helpers import reference_layer
 
 
@@ -34,6 +35,22 @@ def test_bad_knobs_are_clear_errors():
         make_method("summary", anchor_share=1.5)
     with pytest.raises(kvsum.KVSumError, match="no knob"):
         make_method("summary", nonsense=1)
+    with pytest.raises(kvsum.KVSumError, match=r"attention_share must be in \[0, 1\)"):
+        make_method("summary", attention_share=1.0)
+
+
+def test_attention_share_keeps_what_the_observation_window_votes_for():
+    """With attention_share, SnapKV's most voted token is an anchor even where the score ranks it last."""
+    from kvsum.methods.evict.snapkv import SnapKV
+
+    x = reference_layer(T=200, budget=0.6)  # 58 entries: 36 sinks and window, 22 by the ranking
+    votes = SnapKV().score(x)[0]
+    votes[:4], votes[-64:] = -1, -1  # the sinks and the window are anchors anyway
+    top = int(votes.argmax())
+    x.surprisal[top] = -1.0  # the least surprising token
+    for share, kept in ((0.0, False), (0.3, True)):
+        state = Summary(score="surprisal", span=1, anchor_share=1.0, attention_share=share).compress(x)
+        assert any(torch.equal(k, x.keys[0, top]) for k in state.keys) == kept
 
 
 def test_entropy_allocation_spreads_bytes_and_keeps_the_budget(tiny, ids):
