@@ -6,7 +6,10 @@ Everything here runs in float32 on one KV head at a time, whatever the model's d
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from ..errors import KVSumError
 
 
 def group_queries(x, h: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
@@ -47,3 +50,42 @@ def head_diffuseness(x, rows: int = 128) -> Tensor:
         p = torch.softmax(causal_logits(q, pos, x.keys[h], x.scale), -1)
         out.append(normalized_entropy(p, pos).mean())
     return torch.stack(out)
+
+
+def group_attention(x, h: int, rows: Tensor | None = None) -> Tensor:
+    """Causal softmax attention (G, m, T) of KV head h's query group (reference queries `rows`) over the prompt keys.
+
+    Computed one KV head at a time in float32, so memory is G x n x T per call instead of Hq x n x T for the
+    whole layer.
+    """
+    if x.queries is None or x.query_pos is None:
+        raise KVSumError("this method needs the reference queries (LayerInput.queries)")
+    G = x.queries.shape[0] // x.H
+    q, pos = x.queries[h * G:(h + 1) * G].float(), x.query_pos
+    # decoding-time eviction (kvsum.decoding) says per head which entries each query may see
+    hidden = x.hidden[h] if getattr(x, "hidden", None) is not None else None
+    if rows is not None:
+        q, pos = q[:, rows], pos[rows]
+        hidden = hidden[rows] if hidden is not None else None
+    logits = q @ x.keys[h].float().T * x.scale
+    if hidden is None:
+        hidden = torch.arange(x.T, device=logits.device)[None, :] > pos.to(logits.device)[:, None]  # (m, T)
+    # nan_to_num: a query that sees nothing (all it saw was evicted) votes for nothing
+    return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1).nan_to_num_(0.0)
+
+
+def pool1d(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
+    """Same-length pooling of (H, T) scores along positions: neighbours of a selected key come along."""
+    if kernel == 1:
+        return scores
+    fn = F.avg_pool1d if mode == "avg" else F.max_pool1d
+    return fn(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
+def window_votes(x, window: int = 64, kernel: int = 5) -> Tensor:
+    """(H, T) SnapKV's vote: the attention of the observation window (the last `window` prompt queries; the newest
+    query where none is that late) per KV head, averaged over its query group and rows, pooled along positions."""
+    rows = torch.nonzero(x.query_pos >= x.T - window).flatten()
+    if rows.numel() == 0:
+        rows = x.query_pos.argmax()[None]
+    return pool1d(torch.stack([group_attention(x, h, rows).mean(dim=(0, 1)) for h in range(x.H)]), kernel)

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention_stats import group_attention, pool1d
 from ..base import LayerInput
 from ..registry import register
-from .scoring import Eviction, group_attention, pool1d, time_order
+from .scoring import Eviction, time_order
 
 
 @register

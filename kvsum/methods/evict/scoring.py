@@ -1,4 +1,5 @@
-"""Shared machinery of the eviction family: knob checks, causal attention of the reference queries, the base class.
+"""Shared machinery of the eviction family: knob checks, the queries' time order, the base class (the causal
+attention of the reference queries and SnapKV's vote are in ../attention_stats.py: summary reads them too).
 
 Every eviction method only says how to score entries (`score` -> (H, T), higher is kept first) and
 which positions it always keeps (`protect`); selection and budget allocation live in allocation.py,
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import KVSumError
@@ -19,39 +18,9 @@ from ..base import LayerInput, Method, Plan
 from .allocation import ALLOCATIONS, pyramid_budgets, select
 
 
-def group_attention(x: LayerInput, h: int, rows: Tensor | None = None) -> Tensor:
-    """Causal softmax attention (G, m, T) of KV head h's query group (reference queries `rows`) over the prompt keys.
-
-    Computed one KV head at a time in float32, so memory is G x n x T per call instead of Hq x n x T for the
-    whole layer.
-    """
-    if x.queries is None or x.query_pos is None:
-        raise KVSumError("this eviction method needs the reference queries (LayerInput.queries)")
-    G = x.queries.shape[0] // x.H
-    q, pos = x.queries[h * G:(h + 1) * G].float(), x.query_pos
-    # decoding-time eviction (kvsum.decoding) says per head which entries each query may see
-    hidden = x.hidden[h] if getattr(x, "hidden", None) is not None else None
-    if rows is not None:
-        q, pos = q[:, rows], pos[rows]
-        hidden = hidden[rows] if hidden is not None else None
-    logits = q @ x.keys[h].float().T * x.scale
-    if hidden is None:
-        hidden = torch.arange(x.T, device=logits.device)[None, :] > pos.to(logits.device)[:, None]  # (m, T)
-    # nan_to_num: a query that sees nothing (all it saw was evicted) votes for nothing
-    return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1).nan_to_num_(0.0)
-
-
 def time_order(x: LayerInput) -> Tensor:
     """Rank of every reference query in prompt order (0 = earliest)."""
     return x.query_pos.argsort().argsort()
-
-
-def pool1d(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
-    """Same-length pooling of (H, T) scores along positions: neighbours of a selected key come along."""
-    if kernel == 1:
-        return scores
-    fn = F.avg_pool1d if mode == "avg" else F.max_pool1d
-    return fn(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,10 @@
 
 from dataclasses import dataclass
 
-import torch
-
+from ..attention_stats import window_votes
 from ..base import LayerInput
 from ..registry import register
-from .scoring import Eviction, group_attention, pool1d
+from .scoring import Eviction
 
 
 @register
@@ -32,11 +31,7 @@ class SnapKV(Eviction):
         self.check_int("kernel", 1, odd=True)
 
     def score(self, x: LayerInput):
-        rows = torch.nonzero(x.query_pos >= x.T - self.window).flatten()
-        if rows.numel() == 0:
-            rows = x.query_pos.argmax()[None]
-        votes = torch.stack([group_attention(x, h, rows).mean(dim=(0, 1)) for h in range(x.H)])
-        return pool1d(votes, self.kernel)
+        return window_votes(x, self.window, self.kernel)
 
     def protect(self, n: int):
         return 0, self.window

@@ -4,9 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention_stats import group_attention
 from ..base import LayerInput
 from ..registry import register
-from .scoring import Eviction, group_attention
+from .scoring import Eviction
 
 
 @register

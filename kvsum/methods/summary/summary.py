@@ -25,9 +25,8 @@ import torch
 from ...budget import full_nbytes
 from ...errors import KVSumError
 from ...state import ConcatState, EntryState
-from ..attention_stats import causal_logits, group_queries, head_diffuseness
+from ..attention_stats import causal_logits, group_queries, head_diffuseness, window_votes
 from ..base import Choice, LayerInput, Method, Plan
-from ..evict.snapkv import SnapKV
 from ..quantizer import KeyShiftPlan, Quantizer
 from ..refusal import budget_hint, least_budget
 from ..registry import register
@@ -222,7 +221,7 @@ class Summary(Method):
         else:
             per_head = [left // x.H] * x.H
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
-        votes = SnapKV().score(x) if self.attention_share else None
+        votes = window_votes(x) if self.attention_share else None
         heads = [self._head(x, h, per_head[h], info, votes, cover is not None) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
