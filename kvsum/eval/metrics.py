@@ -11,7 +11,10 @@ from torch import Tensor
 def token_kl(full_logits: Tensor, logits: Tensor) -> Tensor:
     """KL(full || compressed) in nats at every position, (n,) from (n, V) logits each; in float64 so that identical
     logits give exactly 0."""
-    p_log, q_log = torch.log_softmax(full_logits.double(), -1), torch.log_softmax(logits.double(), -1)
+    return _kl(torch.log_softmax(full_logits.double(), -1), torch.log_softmax(logits.double(), -1))
+
+
+def _kl(p_log: Tensor, q_log: Tensor) -> Tensor:
     return (p_log.exp() * (p_log - q_log)).sum(-1).clamp_min(0)
 
 
@@ -24,7 +27,7 @@ def fidelity(full_logits: Tensor, logits: Tensor, targets: Tensor) -> dict[str, 
     """
     p_log = torch.log_softmax(full_logits.double(), -1)
     q_log = torch.log_softmax(logits.double(), -1)
-    kl = token_kl(full_logits, logits)
+    kl = _kl(p_log, q_log)  # the log-probabilities once: the nll below reads them too
     top1 = (full_logits.argmax(-1) == logits.argmax(-1)).double()
     m = targets.numel()
     idx = targets.reshape(-1, 1).to(full_logits.device)

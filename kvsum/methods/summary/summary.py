@@ -16,6 +16,7 @@ every token that is not an anchor stays approximately present instead of being s
 out the attention sinks (always anchors): their keys are unlike every other token's, and coded with them they
 skew the codes' channel split and mean key (docs/results/summary.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
