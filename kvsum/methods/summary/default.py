@@ -20,9 +20,9 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
      sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte);
-     below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser: at 0.05 of the bytes that pays,
-     at 0.1 the 3-bit default does), with summary's own 32-token window, none exact (there the window's bytes
-     cost retrieval more than they return);
+     below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser), with summary's own 32-token
+     window, none exact: at 0.03 of the bytes the window and its exact tokens take a third of a 2k prompt's bytes
+     and retrieval falls, where at 0.05 the 3-bit configuration above wins on both retrieval and KL;
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
 dim: the cover's fixed costs), and summary's own defaults come last.
@@ -35,7 +35,7 @@ from ..base import Choice
 from ..registry import make_method
 
 COVER_FROM = 0.25
-TWO_BITS_BELOW = 0.075  # between the budgets measured (0.1: 3 bits better; 0.05: 2 bits)
+TWO_BITS_BELOW = 0.04  # between the budgets measured (0.05: 3 bits with the window better; 0.03: 2 bits)
 COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
 CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer

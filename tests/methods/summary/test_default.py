@@ -32,12 +32,13 @@ def test_the_rule_orders_its_configurations_by_budget():
     low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
     assert low == [("summary+turboquant", {"center": True, "entropy_allocation": False}),
                    ("summary", {"by_budget": False})]  # no cover, no sentences
-    two = default.choices(0.05, sentences=True)  # below TWO_BITS_BELOW the codes are 2-bit
+    assert default.choices(0.05, True)[0].knobs == top[1][1]  # 0.05 is above TWO_BITS_BELOW: 3 bits, the window
+    two = default.choices(0.03, sentences=True)  # below TWO_BITS_BELOW the codes are 2-bit
     assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
     two_first = two[0].method.first
     assert (two_first.window, two_first.recent_exact, two_first.attention_share) == (32, 0, 0)  # 2 bits: sentences
     for c in two:  # every configuration the rule builds stands for itself
-        assert c.method.choices(0.05, 100, True)[0].method is c.method
+        assert c.method.choices(0.03, 100, True)[0].method is c.method
 
 
 @pytest.mark.parametrize("budget, sentences, want", [(0.5, True, "summary"), (0.1, True, "summary+turboquant"),
