@@ -21,8 +21,8 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
      sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte);
      below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser), with summary's own 32-token
-     window, none exact: at 0.03 of the bytes the window and its exact tokens take a third of a 2k prompt's bytes
-     and retrieval falls, where at 0.05 the 3-bit configuration above wins on both retrieval and KL;
+     window, none exact: at 0.03 of a 2k prompt's bytes the window and its exact tokens take a third of the
+     budget and retrieval falls, where at 0.05 the 3-bit configuration above wins on both retrieval and KL;
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
 dim: the cover's fixed costs), and summary's own defaults come last.
