@@ -11,6 +11,8 @@ from torch import Tensor
 
 from ..errors import KVSumError
 
+VOTE_WINDOW, VOTE_KERNEL = 64, 5  # SnapKV's observation window (last prompt queries) and pooling width
+
 
 def group_queries(x, h: int, limit: int | None = None) -> tuple[Tensor, Tensor]:
     """Reference queries of KV head h (all query heads of its group stacked) and their positions,
@@ -82,7 +84,7 @@ def pool1d(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
     return fn(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
 
 
-def window_votes(x, window: int = 64, kernel: int = 5) -> Tensor:
+def window_votes(x, window: int = VOTE_WINDOW, kernel: int = VOTE_KERNEL) -> Tensor:
     """(H, T) SnapKV's vote: the attention of the observation window (the last `window` prompt queries; the newest
     query where none is that late) per KV head, averaged over its query group and rows, pooled along positions."""
     rows = torch.nonzero(x.query_pos >= x.T - window).flatten()

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from ..attention_stats import window_votes
+from ..attention_stats import VOTE_KERNEL, VOTE_WINDOW, window_votes
 from ..base import LayerInput
 from ..registry import register
 from .scoring import Eviction
@@ -22,8 +22,8 @@ class SnapKV(Eviction):
     name = "snapkv"
     summary = "observation-window queries vote per key, pooled, top-k per head (Li et al., 2024)"
     needs_queries = True
-    window: int = 64
-    kernel: int = 5
+    window: int = VOTE_WINDOW
+    kernel: int = VOTE_KERNEL
 
     def __post_init__(self):
         super().__post_init__()
