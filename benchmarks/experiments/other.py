@@ -145,6 +145,11 @@ EXPERIMENTS = [
                lengths=(2048,), n=50, threads=2,
                methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
+    Experiment("frontier_lm32", "frontier", "frontier", "lm KL alone on 32 test windows (frontier_flagship's 8 "
+               "first) at 0.25 / 0.10 / 0.05: the flagship beside SnapKV's selection as codes and TurboQuant, where "
+               "8 windows separate them by less than one window's spread", lengths=(2048,), n=0, threads=1,
+               methods=("summary", spec("snapkv+turboquant", (0.1, 0.05), key_shift=1), spec("turboquant", (0.25,))),
+               args=("--n-lm", "32", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("kl_positions", "frontier", "kl_positions", "lm KL by the continuation's position on dev seeds "
                "(where the flagship's KL lies at 0.1 / 0.05 beside SnapKV's selection as codes and codes alone; a "
                "longer recent window, the newest tokens exact)", lengths=(2048,), n=16, threads=2,
