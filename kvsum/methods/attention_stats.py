@@ -76,12 +76,16 @@ def group_attention(x, h: int, rows: Tensor | None = None) -> Tensor:
     return torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1).nan_to_num_(0.0)
 
 
-def pool1d(scores: Tensor, kernel: int, mode: str = "avg") -> Tensor:
-    """Same-length pooling of (H, T) scores along positions: neighbours of a selected key come along."""
+def pool1d(scores: Tensor, kernel: int, mode: str = "avg", edges: bool = False) -> Tensor:
+    """Same-length pooling of (H, T) scores along positions: neighbours of a selected key come along. `edges`:
+    an average near either end is over the positions that exist (the padding does not count as zeros)."""
     if kernel == 1:
         return scores
-    fn = F.avg_pool1d if mode == "avg" else F.max_pool1d
-    return fn(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    if mode == "avg":
+        out = F.avg_pool1d(scores[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=not edges)
+    else:
+        out = F.max_pool1d(scores[:, None], kernel, stride=1, padding=kernel // 2)
+    return out[:, 0, :scores.shape[-1]]  # an even kernel pads one position more than it pools away
 
 
 def window_votes(x, window: int = VOTE_WINDOW, kernel: int = VOTE_KERNEL) -> Tensor:

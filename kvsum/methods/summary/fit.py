@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..attention_stats import pool1d
+
 
 def surprisal_spans(surprisal: Tensor, span: int) -> Tensor:
     """Token surprisal (T,) averaged over `span` neighbours (facts are spans of tokens); position 0, which has
@@ -16,7 +18,7 @@ def surprisal_spans(surprisal: Tensor, span: int) -> Tensor:
     s = surprisal.clone()
     s[0] = s[1:].max() if len(s) > 1 else 0.0
     if span > 1:
-        s = torch.nn.functional.avg_pool1d(s[None, None], span, 1, span // 2, count_include_pad=False)[0, 0, :len(s)]
+        s = pool1d(s[None], span, edges=True)[0]
     return s
 
 

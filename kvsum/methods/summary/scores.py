@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
-from ..attention_stats import VOTE_KERNEL, VOTE_WINDOW, causal_logits, normalized_entropy
+from ..attention_stats import VOTE_KERNEL, VOTE_WINDOW, causal_logits, normalized_entropy, pool1d
 from .fit import surprisal_spans
 
 SCORES = ("hybrid", "surprisal", "sentence", "repeat", "sharp_mass", "max", "mass")
@@ -38,8 +38,7 @@ def importance(x, q: Tensor, pos: Tensor, h: int, info, score: str) -> Tensor:
     if score == "hybrid":
         win = pos >= x.T - VOTE_WINDOW
         p = torch.softmax(causal_logits(q[win], pos[win], x.keys[h], x.scale), -1).mean(0)
-        p = torch.nn.functional.avg_pool1d(p[None, None], VOTE_KERNEL, 1, VOTE_KERNEL // 2,
-                                           count_include_pad=False)[0, 0, :x.T]
+        p = pool1d(p[None], VOTE_KERNEL, edges=True)[0]
         return interleave(info, p, 0.5)  # kept as soon as either ranking wants it
     if info is not None:
         return info.clone()
