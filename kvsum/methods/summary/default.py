@@ -20,9 +20,11 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
      sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte);
-     below TWO_BITS_BELOW the codes are 2-bit (more tokens kept, each coarser), with summary's own 32-token
-     window, none exact: at 0.03 of a 2k prompt's bytes the window and its exact tokens take a third of the
-     budget and retrieval falls, where at 0.05 the 3-bit configuration above wins on both retrieval and KL;
+     where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (budget x prompt
+     tokens) the codes are 2-bit (more tokens kept, each coarser), with summary's own 32-token window, none exact:
+     the window is a fixed count of tokens, so at 0.03 of a 2k prompt's bytes (61 tokens' worth) it and its exact
+     tokens take a third of the budget and retrieval falls, where at 0.05 of 2k (102) and at 0.03 of 4k (123) the
+     3-bit configuration above wins on both retrieval and KL;
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
 dim: the cover's fixed costs), and summary's own defaults come last.
@@ -35,7 +37,7 @@ from ..base import Choice
 from ..registry import make_method
 
 COVER_FROM = 0.25
-TWO_BITS_BELOW = 0.04  # between the budgets measured (0.05: 3 bits with the window better; 0.03: 2 bits)
+TWO_BITS_BELOW = 80  # 16-bit tokens' worth a head, between those measured (61: 2 bits better; 102 and 123: 3)
 COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
 CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer
@@ -52,22 +54,25 @@ CODES = ("summary+turboquant", dict(CODED),
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 
 
-def rows(budget: float, sentences: bool) -> list[tuple[str, dict, str]]:
-    """(method, knobs, why) in the rule's order at `budget` (`sentences`: the prefill marks sentence ends)."""
+def rows(budget: float, tokens: int, sentences: bool) -> list[tuple[str, dict, str]]:
+    """(method, knobs, why) in the rule's order at `budget` of a `tokens`-token prompt (`sentences`: the prefill
+    marks sentence ends)."""
     top = [COVER] if budget >= COVER_FROM else []
-    two = budget < TWO_BITS_BELOW
+    two = budget * tokens < TWO_BITS_BELOW
     codes = [SENTENCES if two else SENTENCES_LOCAL] if sentences else []
     codes.append(CODES)
     if two:
-        codes = [(name, {**knobs, "bits": 2}, why + ", 2-bit") for name, knobs, why in codes]
+        held = f", 2-bit (the budget holds {budget * tokens:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
+        codes = [(name, {**knobs, "bits": 2}, why + held) for name, knobs, why in codes]
     return [*top, *codes, PLAIN]
 
 
-def choices(budget: float, sentences: bool) -> list[Choice]:
-    """The rule's configurations at `budget`, built, best first (kvsum.compress takes the first that fits)."""
+def choices(budget: float, tokens: int, sentences: bool) -> list[Choice]:
+    """The rule's configurations at `budget` of a `tokens`-token prompt, built, best first (kvsum.compress takes
+    the first that fits)."""
     where = f"summary configured by budget ({budget:g} {'>=' if budget >= COVER_FROM else '<'} {COVER_FROM})"
     out = []
-    for name, knobs, why in rows(budget, sentences):
+    for name, knobs, why in rows(budget, tokens, sentences):
         why += " (no tokenizer to find sentences)" if not sentences and name == CODES[0] else ""
         out.append(Choice(make_method(name, **knobs), name, dict(knobs), f"{where}: {why}"))
     return out

@@ -119,7 +119,7 @@ class Summary(Method):
 
     def choices(self, budget: float, tokens: int, sentences: bool) -> list[Choice]:
         if self.by_budget and self == Summary():  # no knob of the user's: configured by budget (default.py)
-            return default.choices(budget, sentences)
+            return default.choices(budget, tokens, sentences)
         return super().choices(budget, tokens, sentences)
 
     def prefill_options(self) -> dict:

@@ -17,24 +17,27 @@ def _logits(model, cache, T):
 
 
 def test_the_rule_orders_its_configurations_by_budget():
-    top = [(c.name, c.knobs) for c in default.choices(0.25, sentences=True)]
+    top = [(c.name, c.knobs) for c in default.choices(0.25, 2048, sentences=True)]
     assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True}),
                                   "score": "surprisal"})
     assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True,
                                              "entropy_allocation": False, "summary_window": 64,
                                              "summary_recent_exact": 8, "summary_anchor_share": 1.0,
                                              "summary_attention_share": 0.3})
-    first = default.choices(0.1, True)[0].method.first
+    first = default.choices(0.1, 2048, True)[0].method.first
     assert not first.entropy_allocation  # a sentence kept alike in every layer
     assert (first.window, first.recent_exact) == (64, 8)  # at 3 bits the newest tokens stay exact
     assert (first.anchor_share, first.attention_share) == (1.0, 0.3)  # and the window's vote takes 3 anchors in 10
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
-    low = [(c.name, c.knobs) for c in default.choices(0.1, sentences=False)]
+    low = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=False)]
     assert low == [("summary+turboquant", {"center": True, "entropy_allocation": False}),
                    ("summary", {"by_budget": False})]  # no cover, no sentences
-    assert default.choices(0.05, True)[0].knobs == top[1][1]  # 0.05 is above TWO_BITS_BELOW: 3 bits, the window
-    two = default.choices(0.03, sentences=True)  # below TWO_BITS_BELOW the codes are 2-bit
+    assert default.choices(0.05, 2048, True)[0].knobs == top[1][1]  # 102 tokens' worth a head: 3 bits, the window
+    two = default.choices(0.03, 2048, sentences=True)  # 61 tokens' worth, under TWO_BITS_BELOW: the codes are 2-bit
     assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
+    assert "61 < 80 tokens' worth" in two[0].why
+    assert default.choices(0.03, 4096, True)[0].knobs == top[1][1]  # the same budget of a longer prompt: 3 bits
+    assert default.choices(0.1, 700, True)[0].knobs.get("bits") == 2  # and a tenth of a short one: 2 bits
     two_first = two[0].method.first
     assert (two_first.window, two_first.recent_exact, two_first.attention_share) == (32, 0, 0)  # 2 bits: sentences
     for c in two:  # every configuration the rule builds stands for itself
