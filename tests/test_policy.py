@@ -7,8 +7,8 @@ from kvsum.breakeven import crossing
 from kvsum.errors import KVSumError
 from tests.helpers import CharTokenizer, random_ids, tiny_llama
 
-CODES = {"center": True, "entropy_allocation": False}  # the rule below the cover without a tokenizer
-SHORT = {**CODES, "bits": 2}  # and on 300 tokens at 0.1 (30 tokens' worth a head, under TWO_BITS_BELOW): 2-bit
+# the rule below the cover without a tokenizer, on 300 tokens at 0.1 (30 tokens' worth a head, under TWO_BITS_BELOW)
+CODES = {"center": True, "entropy_allocation": False, "bits": 2}
 LENGTHS = [256, 512, 1024, 2048, 4096]
 
 
@@ -131,7 +131,7 @@ def test_the_policy_falls_back_where_the_flagship_cannot_run(tiny):
     ids = random_ids(300, 3)
     p = kvsum.Policy(memory=0.1)
     cache = kvsum.compress(tiny, ids, policy=p)  # no tokenizer: no sentences
-    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", SHORT)
+    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", CODES)
     assert "no tokenizer" in cache.decision.reason and cache.ratio() <= 0.1 + 0.02
     cache = kvsum.compress(tiny, ids, policy=kvsum.Policy(memory=0.26, latency="memory", mid_min_budget=0.3))
     assert "does not fit this prompt" in cache.decision.reason  # tiny head dims: the cover needs 0.3 here
@@ -143,6 +143,6 @@ def test_generate_keeps_what_summary_by_budget_became():
     model, tok, ctx = tiny_llama(), CharTokenizer(), random_ids(300, 3)
     _, cache = kvsum.generate(model, tok, ctx, "Where?", policy=kvsum.Policy(memory=0.1), max_new_tokens=2,
                               return_cache=True)
-    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", SHORT)
+    assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", CODES)
     assert cache.decision.spec == "summary+turboquant:center=True,entropy_allocation=False,bits=2"
     assert "configured by budget" in cache.decision.reason

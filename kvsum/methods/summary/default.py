@@ -2,7 +2,8 @@
 
 `kvsum.compress(model, ids, method="summary", budget=b)` is the flagship at every budget; the knobs stay for
 research (any knob set, or `by_budget=False`, gives summary as configured). The rule, for a budget b (a
-fraction of the full 16-bit cache), from the measurements on the bundled models (docs/results/flagship.md):
+fraction of the full 16-bit cache) of a T-token prompt, from the measurements on the bundled models
+(docs/results/flagship.md):
   1. b >= COVER_FROM: exact anchors by token surprisal over a 3.5-bit centered TurboQuant cover of every other
      token (at 0.25 little more than the sinks and the recent window are exact): the codes keep every token
      approximately present, where a selection at a quarter of the bytes loses retrieval;
@@ -20,11 +21,11 @@ fraction of the full 16-bit cache), from the measurements on the bundled models 
      read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
      sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte);
-     where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (budget x prompt
-     tokens) the codes are 2-bit (more tokens kept, each coarser), with summary's own 32-token window, none exact:
-     the window is a fixed count of tokens, so at 0.03 of a 2k prompt's bytes (61 tokens' worth) it and its exact
-     tokens take a third of the budget and retrieval falls, where at 0.05 of 2k (102) and at 0.03 of 4k (123) the
-     3-bit configuration above wins on both retrieval and KL;
+     where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (b x T) the codes are
+     2-bit (more tokens kept, each coarser), with summary's own 32-token window, none exact: the window is a fixed
+     count of tokens, so at 0.03 of a 2k prompt's bytes (61 tokens' worth) it and its exact tokens take a third of
+     the budget and retrieval falls, where at 0.05 of 2k (102) and at 0.03 of 4k (123) the 3-bit configuration
+     above wins on both retrieval and KL;
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
 dim: the cover's fixed costs), and summary's own defaults come last.
@@ -58,12 +59,13 @@ def rows(budget: float, tokens: int, sentences: bool) -> list[tuple[str, dict, s
     """(method, knobs, why) in the rule's order at `budget` of a `tokens`-token prompt (`sentences`: the prefill
     marks sentence ends)."""
     top = [COVER] if budget >= COVER_FROM else []
-    two = budget * tokens < TWO_BITS_BELOW
+    held = budget * tokens  # 16-bit tokens' worth of bytes a head
+    two = held < TWO_BITS_BELOW
     codes = [SENTENCES if two else SENTENCES_LOCAL] if sentences else []
     codes.append(CODES)
     if two:
-        held = f", 2-bit (the budget holds {budget * tokens:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
-        codes = [(name, {**knobs, "bits": 2}, why + held) for name, knobs, why in codes]
+        why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
+        codes = [(name, {**knobs, "bits": 2}, why + why2) for name, knobs, why in codes]
     return [*top, *codes, PLAIN]
 
 
