@@ -56,19 +56,20 @@ def test_the_command_line():
     assert str(args.out).endswith("benchmarks/results/frontier/frontier")
 
 
-def test_merge_keeps_the_configurations_this_run_did_not_measure(tmp_path):
+def test_merge_keeps_the_cells_this_run_did_not_measure(tmp_path):
     def row(config, budget, score, length=300):
         return dict(task="passkey", length=length, config=config, budget=budget, score=score, full_score=90.0,
                     ratio=budget, n=1)
 
     old = [row("full", 1.0, 90.0), row("summary", 0.1, 10.0), row("snapkv", 0.1, 0.0), row("snapkv", 0.5, 5.0),
-           row("summary", 0.1, 20.0, length=600)]
+           row("summary", 0.1, 20.0, length=600), row("summary", 0.5, 30.0)]
     frontier.write(old, {"model": "tiny"}, str(tmp_path / "f"), ["summary", "snapkv"], [0.1, 0.5])
     new = [row("full", 1.0, 90.0), row("summary", 0.1, 70.0)]
     rows, specs, budgets, earlier = frontier.merge(new, str(tmp_path / "f"), ["summary"], [0.1])
     assert specs == ["summary", "snapkv"] and budgets == [0.1, 0.5] and len(earlier) == 1
     got = {(r["config"], r["budget"], r["length"]): r["score"] for r in rows}
     assert got == {("full", 1.0, 300): 90.0, ("summary", 0.1, 300): 70.0, ("snapkv", 0.1, 300): 0.0,
-                   ("snapkv", 0.5, 300): 5.0, ("summary", 0.1, 600): 20.0}  # other lengths are kept as they were
+                   ("snapkv", 0.5, 300): 5.0, ("summary", 0.1, 600): 20.0,  # other lengths are kept as they were
+                   ("summary", 0.5, 300): 30.0}  # and other budgets of a rerun configuration
     assert frontier.merge(new, str(tmp_path / "none"), ["summary"], [0.1]) == (new, ["summary"], [0.1], [])
     assert frontier.parser().parse_args(["--merge"]).merge
