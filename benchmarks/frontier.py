@@ -117,16 +117,19 @@ def render(rows: list[dict], info: dict, commands: list[str], specs: list[str], 
 
 def merge(rows: list[dict], out: str, specs: list[str], budgets: list[float]):
     """(rows, specs, budgets, earlier commands) with <out>.json's rows of the cells this run did not measure (a
-    configuration, length and budget) kept beside this run's (the full cache's are this run's: the same
-    examples), for a rerun of some configurations or budgets (a flagship changed at one budget) without the rest."""
+    task, configuration, length and budget; the full cache is a cell of its own, rerun with every run) kept
+    beside this run's, for a rerun of some configurations, budgets or tasks (a flagship changed at one budget, a
+    retrieval-only rerun) without the rest."""
     js = Path(out).with_name(Path(out).name + ".json")
     if not js.exists():
         return rows, specs, budgets, []
     old = json.loads(js.read_text())
-    lengths = {r["length"] for r in rows}
-    done = {(r["config"], r["length"], r["budget"]) for r in rows}
-    kept = [r for r in old["rows"] if (r["config"], r["length"], r["budget"]) not in done
-            and not (r["config"] == "full" and r["length"] in lengths)]
+
+    def key(r):
+        return r["task"], r["config"], r["length"], r["budget"]
+
+    done = {key(r) for r in rows}
+    kept = [r for r in old["rows"] if key(r) not in done]
     order = list(dict.fromkeys([*(r["config"] for r in old["rows"] if r["config"] != "full"), *specs]))
     return (kept + rows, order, sorted({*budgets, *(r["budget"] for r in kept if r["config"] != "full")}),
             recorded_commands(old))
@@ -156,8 +159,8 @@ def parser():
     ap.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), help="spec strings (name:knob=value,...)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--merge", action="store_true", help="keep the cells (configuration, length, budget) of "
-                    "--out.json this run does not measure (rerun some of them on the same examples)")
+    ap.add_argument("--merge", action="store_true", help="keep the cells (task, configuration, length, budget) "
+                    "of --out.json this run does not measure (rerun some of them on the same examples)")
     return ap
 
 

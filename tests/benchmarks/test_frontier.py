@@ -57,19 +57,23 @@ def test_the_command_line():
 
 
 def test_merge_keeps_the_cells_this_run_did_not_measure(tmp_path):
-    def row(config, budget, score, length=300):
-        return dict(task="passkey", length=length, config=config, budget=budget, score=score, full_score=90.0,
-                    ratio=budget, n=1)
+    def row(config, budget, score, length=300, task="passkey"):
+        return dict(task=task, length=length, config=config, budget=budget, score=score, full_score=90.0,
+                    ratio=budget, n=1, **({"kl": score} if task == "lm" else {}))
 
     old = [row("full", 1.0, 90.0), row("summary", 0.1, 10.0), row("snapkv", 0.1, 0.0), row("snapkv", 0.5, 5.0),
-           row("summary", 0.1, 20.0, length=600), row("summary", 0.5, 30.0)]
+           row("summary", 0.1, 20.0, length=600), row("summary", 0.5, 30.0),
+           row("full", 1.0, 0.0, task="lm"), row("summary", 0.1, 0.5, task="lm")]
     frontier.write(old, {"model": "tiny"}, str(tmp_path / "f"), ["summary", "snapkv"], [0.1, 0.5])
     new = [row("full", 1.0, 90.0), row("summary", 0.1, 70.0)]
     rows, specs, budgets, earlier = frontier.merge(new, str(tmp_path / "f"), ["summary"], [0.1])
     assert specs == ["summary", "snapkv"] and budgets == [0.1, 0.5] and len(earlier) == 1
-    got = {(r["config"], r["budget"], r["length"]): r["score"] for r in rows}
-    assert got == {("full", 1.0, 300): 90.0, ("summary", 0.1, 300): 70.0, ("snapkv", 0.1, 300): 0.0,
-                   ("snapkv", 0.5, 300): 5.0, ("summary", 0.1, 600): 20.0,  # other lengths are kept as they were
-                   ("summary", 0.5, 300): 30.0}  # and other budgets of a rerun configuration
+    got = {(r["config"], r["budget"], r["length"], r["task"]): r["score"] for r in rows}
+    assert got == {("full", 1.0, 300, "passkey"): 90.0, ("summary", 0.1, 300, "passkey"): 70.0,
+                   ("snapkv", 0.1, 300, "passkey"): 0.0, ("snapkv", 0.5, 300, "passkey"): 5.0,
+                   ("summary", 0.1, 600, "passkey"): 20.0,  # other lengths are kept as they were
+                   ("summary", 0.5, 300, "passkey"): 30.0,  # and other budgets of a rerun configuration
+                   ("full", 1.0, 300, "lm"): 0.0, ("summary", 0.1, 300, "lm"): 0.5}  # and tasks this run skipped
+    assert len(rows) == len(got)  # the full cache's rerun cell replaces its old one
     assert frontier.merge(new, str(tmp_path / "none"), ["summary"], [0.1]) == (new, ["summary"], [0.1], [])
     assert frontier.parser().parse_args(["--merge"]).merge
