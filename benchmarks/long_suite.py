@@ -52,6 +52,11 @@ def configs(specs: list[str], budgets: list[float]) -> list[tuple[str, str, dict
     return out
 
 
+def indices(args, length: int) -> range:
+    """The example indices run at `length`: from --first up to that length's --n (one --n serves every length)."""
+    return range(args.first, args.n[min(args.lengths.index(length), len(args.n) - 1)])
+
+
 def answer(model, tok, task, ex, cache) -> tuple[float, str]:
     """kvsum.eval.runner.answer (the question after the context, greedy, up to the task's max_new_tokens),
     stopped as soon as the text holds every expected value: the suite's score is string-match recall, which more
@@ -101,9 +106,8 @@ def one_length(args, length: int) -> None:
         calibrated(model, tok, name)  # a fresh machine runs the benchmark in one command
     kvsum.prefill(model, torch.zeros(1, 64, dtype=torch.long))  # warm-up
     loaded, _ = rss()
-    n = args.n[min(args.lengths.index(length), len(args.n) - 1)]
     js = Path(args.out).with_name(Path(args.out).name + ".json")
-    for i in range(n):
+    for i in indices(args, length):
         for task in (get_task(name, chat=args.chat) for name in args.tasks):
             done = {(r["task"], r["length"], r["index"], r["config"], r["budget"]) for r in _load(js)["records"]}
             if all((task.name, length, i, label, b) in done for label, _, _, b in cfgs):
@@ -295,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--n", type=int, nargs="+", default=[4], help="examples per task (one per length, or one)")
+    ap.add_argument("--first", type=int, default=0, help="skip the examples before this index (rerun one example)")
     ap.add_argument("--methods", nargs="+", default=["full", "snapkv"], help="spec strings, own budgets after @")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.1])
     ap.add_argument("--seed", type=int, default=0, help="test split: seeds 0-999")

@@ -36,6 +36,9 @@ LONG = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25",  # each family's best a
 
 LONG_BF16 = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25", LONG[3], "echokv@0.25", "summary@0.25,0.1,0.05",
              spec("snapkv+turboquant", (0.25, 0.1), key_shift=1))  # the flagship with no knobs, by budget
+# rotated codes up to 4 bits, KIVI's per-channel keys, and pca keys coded before RoPE, beside the flagship's cover
+CODE_PROBE = ("full", "summary@0.25", spec("turboquant", (0.25,), bits=3.5, center=True),
+              spec("turboquant", (0.5,), bits=4, center=True), "kivi:bits=4@0.5", LONG[3])
 LONG_TASKS = ("niah_multikey", "niah_multikey_code", "niah_multivalue", "niah_multiquery", "vt", "vt_code", "cwe",
               "fwe")  # the suite beyond NIAH single
 ANSWERED = tuple(t for t in LONG_TASKS if t != "cwe")  # cwe the full cache misses at 16k: one example of it only
@@ -133,6 +136,11 @@ EXPERIMENTS = [
                              "16384", "--n", n) for tasks, n in ((LONG_TASKS, "1"), (ANSWERED, "4"))),
                      bf16(("full", "summary@0.25,0.1"), "--tasks", *LONG_TASKS[:2], "vt", "--lengths", "32768", "--n",
                           "1"))),
+    Experiment("long_codes_16k", "long", "long_suite", "the two dev examples at 16k where the flagship's cover misses "
+               "what the full cache answers (a code uuid, a multiquery value): which key codes copy the value",
+               threads=2, runs=tuple(bf16(CODE_PROBE, "--tasks", task, "--lengths", "16384", "--n", n, "--first", first,
+                                          "--seed", "1000") for task, n, first in (("niah_multikey_code", "3", "2"),
+                                                                                   ("niah_multiquery", "1", "0")))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))

@@ -1,8 +1,10 @@
 """The long-context benchmark's bookkeeping (no model): configurations from spec strings, rows aggregated from
 per-example records (refusals left out), and the tables naming n in every cell."""
 
+import argparse
+
 from benchmarks.experiments import EXPERIMENTS
-from benchmarks.long_suite import aggregate, configs, render, summary_table
+from benchmarks.long_suite import aggregate, configs, indices, render, summary_table
 from kvsum.methods import make_method
 
 
@@ -52,3 +54,9 @@ def test_a_run_without_niah_single_has_one_table_per_task_and_no_empty_one():
     assert "NIAH single" not in md and "### vt" in md and "### fwe" in md
     assert md.count("| configuration | budget | bytes held | 16k |") == 2
     assert "| `snapkv` | 0.25 | 0.250 | 0 (40), n = 1 |" in md
+
+
+def test_first_skips_the_earlier_examples_at_every_length():
+    args = argparse.Namespace(first=2, n=[3, 5], lengths=[4096, 16384, 32768])
+    assert [list(indices(args, L)) for L in args.lengths] == [[2], [2, 3, 4], [2, 3, 4]]
+    assert list(indices(argparse.Namespace(first=0, n=[2], lengths=[4096]), 4096)) == [0, 1]
