@@ -1,8 +1,15 @@
-"""Diagnosis-only method variants, never registered with kvsum: `listed` makes them known to make_method for the
-length of one benchmark run (the quantization "sides" rows), and `build` makes one directly.
+"""Diagnosis-only method variants, never registered with kvsum: `build` makes one by name (else kvsum's
+make_method), for the benchmarks that run them (quant's "sides" rows, long_suite).
 
 `turboquant_one_side`: TurboQuant with one side's codes read and the other side exact (held beside the codes and
 counted); decoded tokens stay in full precision. It tells how much of a bit width's loss each side's codes cause.
+
+`turboquant_rope_centered`: TurboQuant's rotated codes of each key less its head's pre-RoPE mean key turned to the
+key's position (k - R_p mu), the mean's logit added back exactly when read. A key bias before RoPE (Qwen's k_proj
+bias) turns with the position, so the post-RoPE mean (`center=True`) cannot remove it and the codes spend their
+precision on it. The turned means are materialized and not counted, and decoded tokens stay in full precision: it
+measures what the codes would copy, not what such a cache would cost. `shorter=True` takes the mean out only of the
+keys it shortens, as `center=True` does after RoPE.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 import kvsum
 from kvsum.methods import make_method
 from kvsum.methods.quant.turboquant import TurboQuant
+from kvsum.rope import rope_tables, rotate, unrotate
 from kvsum.state import tensor_bytes
 
 
@@ -59,7 +67,56 @@ class TurboQuantOneSide(TurboQuant):
         return None
 
 
-DIAGNOSES = {TurboQuantOneSide.name: TurboQuantOneSide}
+class RopeCentered:
+    """A TurboQuant state of keys less `turned` (H, n, d), the mean key at each key's position, added back when read."""
+
+    def __init__(self, state, turned, mean):
+        self.state, self.turned, self.mean = state, turned, mean
+
+    def lengths(self):
+        return self.state.lengths()
+
+    def nbytes(self):
+        return self.state.nbytes() + tensor_bytes(self.mean.half())  # the fp16 pre-RoPE mean a head
+
+    def scores(self, q, scale):
+        return self.state.scores(q, scale) + q @ self.turned[None].transpose(-1, -2) * scale
+
+    def mix(self, p):
+        return self.state.mix(p)
+
+
+_FRAME: dict = {}  # the layer being compressed: its RoPE and the first coded key's position (build has neither)
+
+
+@dataclass(frozen=True)
+class TurboQuantRopeCentered(TurboQuant):
+    """TurboQuant with each key's head mean taken out before RoPE (see the module docstring)."""
+
+    name = "turboquant_rope_centered"
+    shorter: bool = False  # take the mean out only of the keys it shortens (as center=True does after RoPE)
+
+    def compress(self, x, plan=None):
+        if x.rope is None:
+            raise kvsum.KVSumError("turboquant_rope_centered needs the model's RoPE in the Llama form")
+        _FRAME.update(rope=x.rope, start=self._exact(x.T)[0])
+        return super().compress(x, plan)
+
+    def build(self, keys, values, *args, **kwargs):
+        start, rope = _FRAME["start"], _FRAME["rope"]
+        cos, sin = (t[start:] for t in rope_tables(rope["inv_freq"], rope["scaling"], start + keys.shape[1],
+                                                   keys.device))
+        mean = unrotate(keys, cos, sin).mean(1, keepdim=True)  # (H, 1, d) before RoPE
+        turned = rotate(mean.expand_as(keys), cos, sin)
+        if self.shorter:
+            turned = turned * ((keys - turned).norm(dim=-1, keepdim=True) < keys.norm(dim=-1, keepdim=True))
+        return RopeCentered(super().build(keys - turned, values, *args, **kwargs), turned, mean)
+
+    def stream(self, *args, **kwargs):
+        return None
+
+
+DIAGNOSES = {m.name: m for m in (TurboQuantOneSide, TurboQuantRopeCentered)}
 
 
 def build(name: str, **knobs):

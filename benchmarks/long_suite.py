@@ -96,11 +96,12 @@ def one_length(args, length: int) -> None:
     from kvsum.stability import DTYPES as TORCH_DTYPES
 
     from .common import CALIBRATED, calibrated, paired_decode
+    from .diagnose import build
 
     torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model, dtype=TORCH_DTYPES[args.dtype])
     cfgs = configs(args.methods, args.budgets)
-    built = [make_method(name, **knobs) for _, name, knobs, _ in cfgs]  # fail before any prefill
+    built = [build(name, **knobs) for _, name, knobs, _ in cfgs]  # fail before any prefill; diagnoses too
     opts = prefill_needs(built)
     for name in sorted({name for _, name, _, _ in cfgs} & set(CALIBRATED)):
         calibrated(model, tok, name)  # a fresh machine runs the benchmark in one command

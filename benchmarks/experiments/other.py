@@ -141,6 +141,15 @@ EXPERIMENTS = [
                threads=2, runs=tuple(bf16(CODE_PROBE, "--tasks", task, "--lengths", "16384", "--n", n, "--first", first,
                                           "--seed", "1000") for task, n, first in (("niah_multikey_code", "3", "2"),
                                                                                    ("niah_multiquery", "1", "0")))),
+    Experiment("long_rope_centered_16k", "long", "long_suite", "the three list tasks at 16k on dev seeds: TurboQuant's "
+               "rotated codes with keys centered after RoPE (the cover's) against keys less their pre-RoPE mean turned "
+               "to each position (the turboquant_rope_centered diagnosis: accuracy only, no decode timing), everywhere "
+               "or only where it shortens the key", threads=2,
+               runs=tuple(bf16(methods, "--tasks", *ANSWERED[1:4], "--lengths", "16384", "--n", "4", "--seed", "1000",
+                               "--decode-steps", "0")
+                          for methods in (("full", spec("turboquant", (0.25,), bits=3.5, center=True),
+                                           "turboquant_rope_centered:bits=3.5@0.25"),
+                                          ("full", "turboquant_rope_centered:bits=3.5,shorter=True@0.25")))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
