@@ -14,12 +14,14 @@ keys it shortens, as `center=True` does after RoPE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 import kvsum
 from kvsum.methods import make_method
+from kvsum.methods.quant.pca import RopeFrame
 from kvsum.methods.quant.turboquant import TurboQuant
-from kvsum.rope import rope_tables, rotate, unrotate
 from kvsum.state import tensor_bytes
 
 
@@ -68,7 +70,8 @@ class TurboQuantOneSide(TurboQuant):
 
 
 class RopeCentered:
-    """A TurboQuant state of keys less `turned` (H, n, d), the mean key at each key's position, added back when read."""
+    """A layer's state of keys less `turned` (H, T, d), the pre-RoPE mean key at each coded key's position (zero at
+    the exact ones), added back when read."""
 
     def __init__(self, state, turned, mean):
         self.state, self.turned, self.mean = state, turned, mean
@@ -86,12 +89,9 @@ class RopeCentered:
         return self.state.mix(p)
 
 
-_FRAME: dict = {}  # the layer being compressed: its RoPE and the first coded key's position (build has neither)
-
-
 @dataclass(frozen=True)
 class TurboQuantRopeCentered(TurboQuant):
-    """TurboQuant with each key's head mean taken out before RoPE (see the module docstring)."""
+    """TurboQuant with each coded key's head mean taken out before RoPE (see the module docstring)."""
 
     name = "turboquant_rope_centered"
     shorter: bool = False  # take the mean out only of the keys it shortens (as center=True does after RoPE)
@@ -99,21 +99,18 @@ class TurboQuantRopeCentered(TurboQuant):
     def compress(self, x, plan=None):
         if x.rope is None:
             raise kvsum.KVSumError("turboquant_rope_centered needs the model's RoPE in the Llama form")
-        _FRAME.update(rope=x.rope, start=self._exact(x.T)[0])
-        return super().compress(x, plan)
-
-    def build(self, keys, values, *args, **kwargs):
-        start, rope = _FRAME["start"], _FRAME["rope"]
-        cos, sin = (t[start:] for t in rope_tables(rope["inv_freq"], rope["scaling"], start + keys.shape[1],
-                                                   keys.device))
-        mean = unrotate(keys, cos, sin).mean(1, keepdim=True)  # (H, 1, d) before RoPE
-        turned = rotate(mean.expand_as(keys), cos, sin)
+        first, last = self._exact(x.T)
+        pos = torch.arange(x.T, device=x.keys.device)
+        coded = ((pos >= first) & (pos < x.T - last))[None, :, None]  # the sinks and the window stay exact
+        frame = RopeFrame(x.rope, 0, x.T, x.T)
+        mean = frame.undo(x.keys, 0)[:, coded[0, :, 0]].mean(1, keepdim=True)  # (H, 1, d) before RoPE
+        turned = frame.apply(mean.expand_as(x.keys)) * coded
         if self.shorter:
-            turned = turned * ((keys - turned).norm(dim=-1, keepdim=True) < keys.norm(dim=-1, keepdim=True))
-        return RopeCentered(super().build(keys - turned, values, *args, **kwargs), turned, mean)
+            turned = turned * ((x.keys - turned).norm(dim=-1, keepdim=True) < x.keys.norm(dim=-1, keepdim=True))
+        return RopeCentered(super().compress(replace(x, keys=x.keys - turned), plan), turned, mean)
 
     def stream(self, *args, **kwargs):
-        return None
+        return None  # decoded tokens stay in the layer's exact tail
 
 
 DIAGNOSES = {m.name: m for m in (TurboQuantOneSide, TurboQuantRopeCentered)}

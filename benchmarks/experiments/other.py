@@ -36,9 +36,10 @@ LONG = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25",  # each family's best a
 
 LONG_BF16 = ("full", "snapkv@0.25,0.1", "streaming_llm@0.25", LONG[3], "echokv@0.25", "summary@0.25,0.1,0.05",
              spec("snapkv+turboquant", (0.25, 0.1), key_shift=1))  # the flagship with no knobs, by budget
+COVER_CODES = spec("turboquant", (0.25,), bits=3.5, center=True)  # the flagship's 3.5-bit cover without its anchors
 # rotated codes up to 4 bits, KIVI's per-channel keys, and pca keys coded before RoPE, beside the flagship's cover
-CODE_PROBE = ("full", "summary@0.25", spec("turboquant", (0.25,), bits=3.5, center=True),
-              spec("turboquant", (0.5,), bits=4, center=True), "kivi:bits=4@0.5", LONG[3])
+CODE_PROBE = ("full", "summary@0.25", COVER_CODES, spec("turboquant", (0.5,), bits=4, center=True), "kivi:bits=4@0.5",
+              LONG[3])
 LONG_TASKS = ("niah_multikey", "niah_multikey_code", "niah_multivalue", "niah_multiquery", "vt", "vt_code", "cwe",
               "fwe")  # the suite beyond NIAH single
 ANSWERED = tuple(t for t in LONG_TASKS if t != "cwe")  # cwe the full cache misses at 16k: one example of it only
@@ -147,8 +148,7 @@ EXPERIMENTS = [
                "or only where it shortens the key", threads=2,
                runs=tuple(bf16(methods, "--tasks", *ANSWERED[1:4], "--lengths", "16384", "--n", "4", "--seed", "1000",
                                "--decode-steps", "0")
-                          for methods in (("full", spec("turboquant", (0.25,), bits=3.5, center=True),
-                                           "turboquant_rope_centered:bits=3.5@0.25"),
+                          for methods in (("full", COVER_CODES, "turboquant_rope_centered:bits=3.5@0.25"),
                                           ("full", "turboquant_rope_centered:bits=3.5,shorter=True@0.25")))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
