@@ -9,10 +9,13 @@ model's own cos/sin, so a rotary embedding of another form is never inverted by 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 CHECK_LEN = 2048  # positions at which rope_of compares its tables with the model's own cos/sin
+BLOCK = 4096  # positions the shared tables grow by
 
 
 def rope_tables(inv_freq: Tensor, scaling: float, T: int, device=None) -> tuple[Tensor, Tensor]:
@@ -22,19 +25,32 @@ def rope_tables(inv_freq: Tensor, scaling: float, T: int, device=None) -> tuple[
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def shared_tables(inv_freq: Tensor, scaling: float, T: int, device=None) -> tuple[Tensor, Tensor]:
+    """`rope_tables` for positions 0..T-1 as slices of one table per RoPE, grown BLOCK positions at a time and
+    shared by every layer and cache with that RoPE: states that turn keys at each decoding step would otherwise
+    compute T x d cosines per layer per step. The rows are the ones rope_tables computes (same arithmetic)."""
+    cos, sin = _block_tables(tuple(inv_freq.tolist()), float(scaling), -(-T // BLOCK) * BLOCK, str(device or "cpu"))
+    return cos[:T], sin[:T]
+
+
+@functools.lru_cache(maxsize=4)
+def _block_tables(inv_freq: tuple, scaling: float, n: int, device: str) -> tuple[Tensor, Tensor]:
+    return rope_tables(torch.tensor(inv_freq, dtype=torch.float32), scaling, n, device)
+
+
+def rotate_half(x: Tensor) -> Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], -1)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Apply RoPE to x (..., T, d) with tables (T, d)."""
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def unrotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Invert `rotate` (the rotation is orthogonal up to the scaling factor cos^2 + sin^2)."""
-    return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
 
 
 def rope_of(model, head_dim: int, n_layers: int) -> dict | None:

@@ -3,7 +3,7 @@
 import torch
 
 import kvsum
-from kvsum.rope import layer_rope, rope_of, rope_tables
+from kvsum.rope import BLOCK, layer_rope, rope_of, rope_tables, shared_tables
 from kvsum.rope import rotate as rope_rotate
 from kvsum.rope import unrotate as rope_unrotate
 from tests.helpers import random_ids
@@ -16,6 +16,11 @@ def test_rope_inverse_and_model_match(tiny):
     x = torch.randn(2, 50, 16)
     assert torch.allclose(rope_unrotate(rope_rotate(x, cos, sin), cos, sin), x, atol=1e-5)
     assert not torch.allclose(rope_rotate(x, cos, sin)[:, 1:], x[:, 1:], atol=1e-2)
+    # the shared tables: the same rows, one table per RoPE grown a block at a time (a step past a block grows it)
+    inv, sc = rope["inv_freq"][1], float(rope["scaling"][1])
+    for T in (50, BLOCK + 3):
+        assert all(torch.equal(a, b) for a, b in zip(shared_tables(inv, sc, T), rope_tables(inv, sc, T)))
+    assert shared_tables(inv, sc, 7)[0].data_ptr() == shared_tables(inv, sc, 9)[0].data_ptr()
 
 
 def test_rope_per_layer_type_gemma3():

@@ -142,6 +142,22 @@ EXPERIMENTS = [
                threads=2, runs=tuple(bf16(CODE_PROBE, "--tasks", task, "--lengths", "16384", "--n", n, "--first", first,
                                           "--seed", "1000") for task, n, first in (("niah_multikey_code", "3", "2"),
                                                                                    ("niah_multiquery", "1", "0")))),
+    Experiment("long_pre_rope_decode_16k", "long", "long_suite", "the decode step at 16k of pca keys coded before RoPE "
+               "(2.5 and 3.5 bits), read by the packed-code kernel that rebuilds and turns each key in registers, "
+               "beside the flagship's cover and the full cache (one dev example, 16 steps)", threads=2,
+               runs=(bf16(("full", "summary@0.25", LONG[3],
+                           spec("turboquant", (0.25,), bits=3.5, key_basis="pca", pre_rope=True, unbiased="values",
+                                skew=0)),
+                          "--tasks", "niah_multiquery", "--lengths", "16384", "--n", "1", "--seed", "1000",
+                          "--decode-steps", "16"),)),
+    Experiment("answer_nll_16k", "long", "answer_nll", "the list and multikey tasks at 16k on dev seeds, "
+               "teacher-forced on the full cache's answers: how closely the cover, its codes, keys centered before "
+               "RoPE and pca keys coded before RoPE copy the values (NLL of the value tokens; recall moves 25 points "
+               "an example)",
+               methods=("summary@0.25", COVER_CODES, "turboquant_rope_centered:bits=3.5@0.25", LONG[3],
+                        spec("turboquant", (0.25,), bits=3.5, key_basis="pca", pre_rope=True, unbiased="values",
+                             skew=0)),
+               lengths=(16384,), n=4, threads=2, args=("--model", "qwen2.5-coder-0.5b")),
     Experiment("long_rope_centered_16k", "long", "long_suite", "the three list tasks at 16k on dev seeds: TurboQuant's "
                "rotated codes with keys centered after RoPE (the cover's) against keys less their pre-RoPE mean turned "
                "to each position (the turboquant_rope_centered diagnosis: accuracy only, no decode timing), everywhere "

@@ -354,3 +354,75 @@ int kv_mix_runs(const uint8_t *data, int64_t T, int64_t H, int64_t d, int64_t ch
     free(buf);
     return 0;
 }
+
+/* pca keys coded before RoPE (pca.py), one head: width groups g of c[g] axes at nbits[g] bits, packed token-major
+   with no row alignment (code u of token t is code t * c[g] + u of the group's store), whose levels times the
+   axes' deviations are the rows of w. Per token the key is rebuilt in registers, turned to its position and read:
+   k = mean + sum_j z_j w[j] (w (r, d), rows in group order), out[m, t] = q[m] . (k cos[t] + rotate_half(k) sin[t])
+   (cos, sin (T, d): the token's position's rows). Blocks of PB tokens (a multiple of 8) start on whole groups of 8
+   codes, so each group's codes are decoded eight at a time (decode8; the store's padding completes the last);
+   nothing of size T x d is written. */
+#define PB 32
+
+int kv_score_prerope(int ngroups, const uint8_t *const *data, const int64_t *c, const int *nbits,
+                     const float *const *levels, const float *w, const float *mean, const float *cosv,
+                     const float *sinv, int64_t T, int64_t d, const float *q, int64_t M, float *out, int threads) {
+    int64_t r = 0;
+    for (int g = 0; g < ngroups; g++) r += c[g];
+    if (r > 256 || d > 256 || d % 2 || ngroups > MAX_PARTS) return -1;
+    const int64_t half = d / 2, blocks = (T + PB - 1) / PB, per = PB * r + 8 * MAX_PARTS;
+    float *buf = malloc(sizeof(float) * threads * per);  /* each thread's decoded block */
+    if (!buf) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int k = 0; k < threads; k++) {
+        float *z = buf + k * per, key[256], turned[256];
+        __m256 lv[MAX_PARTS][4];
+        for (int g = 0; g < ngroups; g++) load_levels(levels[g], nbits[g], lv[g]);
+        for (int64_t blk = blocks * k / threads; blk < blocks * (k + 1) / threads; blk++) {
+            const int64_t t0 = blk * PB, nt = T - t0 < PB ? T - t0 : PB;
+            float *zg[MAX_PARTS];
+            for (int g = 0, off = 0; g < ngroups; off += (int)(PB * c[g] + 8), g++) {
+                zg[g] = z + off;
+                const int b = nbits[g];
+                const uint8_t *src = data[g] + (t0 * c[g] / 8) * b;
+                for (int64_t e = 0; e < nt * c[g]; e += 8)
+                    _mm256_storeu_ps(zg[g] + e, decode8(src + e / 8 * b, b, lv[g], levels[g]));
+            }
+            for (int64_t tl = 0; tl < nt; tl++) {
+                const int64_t t = t0 + tl;
+                if (d == 64) {  /* the bundled models' head dim: the key in eight registers */
+                    __m256 acc[8];
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(mean + 8 * i);
+                    const float *wa = w;
+                    for (int g = 0; g < ngroups; g++)
+                        for (int64_t u = 0; u < c[g]; u++, wa += 64) {
+                            const __m256 za = _mm256_set1_ps(zg[g][tl * c[g] + u]);
+                            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(za, _mm256_loadu_ps(wa + 8 * i), acc[i]);
+                        }
+                    for (int i = 0; i < 8; i++) _mm256_storeu_ps(key + 8 * i, acc[i]);
+                } else {
+                    for (int64_t i = 0; i < d; i++) key[i] = mean[i];
+                    const float *wa = w;
+                    for (int g = 0; g < ngroups; g++)
+                        for (int64_t u = 0; u < c[g]; u++, wa += d) {
+                            const float za = zg[g][tl * c[g] + u];
+                            for (int64_t i = 0; i < d; i++) key[i] += za * wa[i];
+                        }
+                }
+                const float *ct = cosv + t * d, *st = sinv + t * d;
+                for (int64_t i = 0; i < half; i++) {
+                    turned[i] = key[i] * ct[i] - key[i + half] * st[i];
+                    turned[i + half] = key[i + half] * ct[i + half] + key[i] * st[i + half];
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    const float *qm = q + m * d;
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < d; i++) s += qm[i] * turned[i];
+                    out[m * T + t] = s;
+                }
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}

@@ -7,8 +7,10 @@ faster to attend than the full one it replaces. It is compiled on first use with
 (AVX2 and FMA required) and cached beside the converted models; without a compiler, on a CPU without
 AVX2, on other devices or with KVSUM_NATIVE=0, the PyTorch path runs instead (same numbers up to float
 summation order). TurboQuant's rotated path (summary's code cover included) and KIVI read their codes
-through it (`score` / `mix` and `score_groups` / `mix_runs`). On CUDA tensors the same calls run the Triton
-kernels of kvsum/kernels/ instead (where triton is installed; KVSUM_NATIVE=0 turns them off too).
+through it (`score` / `mix` and `score_groups` / `mix_runs`), and pca keys coded before RoPE on the CPU
+(`score_prerope`: each key rebuilt from its axes and turned to its position in registers). On CUDA tensors the
+other calls run the Triton kernels of kvsum/kernels/ instead (where triton is installed; KVSUM_NATIVE=0 turns
+them off too).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def library() -> ctypes.CDLL | None:
     lib.kv_mix_coded.argtypes = [*head, vp, vp, ctypes.c_int]
     lib.kv_score_groups.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, ctypes.c_int]
     lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, vp, vp, ctypes.c_int]
-    for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs):
+    lib.kv_score_prerope.argtypes = [ctypes.c_int, ptrs, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_int), ptrs,
+                                     vp, vp, vp, vp, i64, i64, vp, i64, vp, ctypes.c_int]
+    for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs, lib.kv_score_prerope):
         fn.restype = ctypes.c_int
     return lib
 
@@ -200,4 +204,22 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
     _check(library().kv_mix_runs(codes.data.data_ptr(), T, H, runs * ch, ch, codes.bits, levels.data_ptr(),
                                  p.data_ptr(), p.shape[1], norms.data_ptr(), mins.data_ptr(), out.data_ptr(),
                                  _threads(T)))
+    return out
+
+
+def score_prerope(groups: list, w: Tensor, mean: Tensor, cos: Tensor, sin: Tensor, q: Tensor) -> Tensor:
+    """One head's pca keys coded before RoPE (pca.KeyTransform), each rebuilt and turned in registers: `groups`
+    as (Packed codes (T, c), levels (2**bits,)), w (r, d) the groups' axes times their deviations, rows in group
+    order, mean (d,), cos / sin (T, d) at the keys' positions, queries q (M, d) -> (M, T)."""
+    n = len(groups)
+    levels = [lv.float().contiguous() for _, lv in groups]
+    args = ((ctypes.c_void_p * n)(*[p.data.data_ptr() for p, _ in groups]),
+            (ctypes.c_int64 * n)(*[p.shape[1] for p, _ in groups]),
+            (ctypes.c_int * n)(*[p.bits for p, _ in groups]),
+            (ctypes.c_void_p * n)(*[lv.data_ptr() for lv in levels]))
+    w, mean, cos, sin, q = (t.float().contiguous() for t in (w, mean, cos, sin, q))
+    T, d = cos.shape
+    out = q.new_empty(q.shape[0], T)
+    _check(library().kv_score_prerope(n, *args, w.data_ptr(), mean.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, d,
+                                      q.data_ptr(), q.shape[0], out.data_ptr(), _threads(T)))
     return out

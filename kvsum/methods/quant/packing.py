@@ -125,8 +125,11 @@ class Packed:
         """Add codes of shape (n, *shape[1:]) after the current ones."""
         if tuple(codes.shape[1:]) != self.shape[1:]:
             raise ValueError(f"cannot append codes of shape {tuple(codes.shape)} to {self.shape}")
-        if math.prod(self.shape) % 8:  # the last byte group is padded: repack (never for 8 | H * d)
-            self.data = pack(torch.cat([self.codes(), codes.to(torch.uint8)]), self.bits)
+        rest = math.prod(self.shape) % 8  # codes in the padded last group of 8 (its `bits` bytes), repacked with
+        if rest:  # the new ones; the groups before it stay as they are
+            tail = unpack(self.data[-self.bits:], self.bits, rest)
+            self.data = torch.cat([self.data[:-self.bits], pack(torch.cat([tail, codes.reshape(-1).to(torch.uint8)]),
+                                                                 self.bits)])
         else:
             self.data = torch.cat([self.data, pack(codes, self.bits)])
         self.shape = (self.shape[0] + codes.shape[0], *self.shape[1:])

@@ -20,8 +20,9 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from ...rope import rope_tables, rotate, unrotate
+from ...rope import rotate, rotate_half, shared_tables, unrotate
 from ...state import tensor_bytes
+from . import native
 from .codebook import encode, lloyd
 from .packing import Packed, packed_nbytes
 
@@ -97,22 +98,31 @@ class RopeFrame:
         i = torch.arange(first, first + n)
         return torch.where(i < self.n, self.start + i, self.resume + i - self.n)
 
-    def _tables(self, pos: Tensor, device) -> tuple[Tensor, Tensor]:
-        cos, sin = rope_tables(self.rope["inv_freq"], self.rope["scaling"], int(pos.max()) + 1, device)
-        return cos[pos.to(device)], sin[pos.to(device)]
+    def tables(self, first: int, n: int, device) -> tuple[Tensor, Tensor]:
+        """cos, sin (n, d) at the positions of held keys first..first + n - 1: a slice of the shared tables where
+        those positions follow one another (the decoded run right after the prompt's, the usual case)."""
+        if self.start == 0 and self.resume == self.n:
+            cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], first + n, device)
+            return cos[first:], sin[first:]
+        return self._at(self.positions(first, n), device)
+
+    def _at(self, pos: Tensor, device) -> tuple[Tensor, Tensor]:
+        pos = pos.to(device)
+        cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], int(pos.max()) + 1, device)
+        return cos[pos], sin[pos]
 
     def undo(self, keys: Tensor, first: int) -> Tensor:
         """Post-RoPE keys (H, n, d), held from index `first`, turned back to before RoPE."""
-        return unrotate(keys, *self._tables(self.positions(first, keys.shape[1]), keys.device))
+        return unrotate(keys, *self.tables(first, keys.shape[1], keys.device))
 
     def apply(self, keys: Tensor) -> Tensor:
         """Pre-RoPE keys (H, T, d), all that is held, turned to their positions."""
-        return rotate(keys, *self._tables(self.positions(0, keys.shape[1]), keys.device))
+        return rotate(keys, *self.tables(0, keys.shape[1], keys.device))
 
     def queries(self, q: Tensor, n_pos: int = 64) -> Tensor:
         """Reference queries (H, M, d) as pre-RoPE keys at `n_pos` prompt positions see them: (H, M * n_pos, d)."""
         pos = self.positions(0, self.n)[torch.linspace(0, self.n - 1, min(n_pos, self.n)).long().unique()]
-        cos, sin = self._tables(pos, q.device)
+        cos, sin = self._at(pos, q.device)
         return unrotate(q[:, :, None, :], cos, sin).flatten(1, 2)
 
 
@@ -176,36 +186,75 @@ class KeyTransform:
                     codes.append(c)
         self.T += keys.shape[1]
 
-    def _coords(self, head: dict) -> Tensor:
-        """Reconstructed coordinates on the head's axes (T, r), scaled by their deviations."""
-        z = torch.zeros(self.T, head["axes"].shape[1], device=head["axes"].device)
+    @staticmethod
+    def _parts(head: dict):
+        """Each width group's looked-up levels (T, c) and its axes scaled by their deviations (c, d): a head's keys
+        are the mean plus the sum of their products, with no (T, r) coordinates scattered together."""
+        axes = head["axes"].float() * head["std"].float()
         for cols, _, _, codes in head["groups"]:
-            z[:, cols] = codes.lookup()
-        return z * head["std"].float()
+            yield codes.lookup(), axes[:, cols].t()
 
     def _head_keys(self, head: dict) -> Tensor:
         """One head's decoded keys (T, d), codes only."""
-        return self._coords(head) @ head["axes"].float().t() + head["mean"].float()
+        k = head["mean"].float().expand(self.T, -1).clone()
+        for z, w in self._parts(head):
+            k.addmm_(z, w)
+        return k
 
-    def keys(self) -> Tensor:
-        """Dequantized keys (H, T, d), the exact outliers in place."""
+    def _coded_keys(self) -> Tensor:
+        """Dequantized keys (H, T, d) as coded (before RoPE with a frame), the exact outliers in place."""
         k = torch.stack([self._head_keys(hd) for hd in self.heads])
         if self.exact is not None:
             idx, ek = self.exact
             k.scatter_(1, idx.long()[..., None].expand(-1, -1, self.d), ek.float())
+        return k
+
+    def keys(self) -> Tensor:
+        """Dequantized keys (H, T, d), the exact outliers in place."""
+        k = self._coded_keys()
         return self.frame.apply(k) if self.frame is not None else k
 
     def scores(self, q: Tensor) -> Tensor:
         """q (1, H, M, d) against the keys -> (1, H, M, T) unscaled: the queries move onto each head's axes once;
         the mean's logit is exact, and so are the outliers'. Keys coded before RoPE are read at their positions
-        (dequantized: each position turns them differently)."""
+        (each position turns them differently), rebuilt and turned in registers by the packed-code kernel where it
+        runs; else dequantized, with RoPE's rotate-half moved onto the queries: q.(k cos + rot(k) sin) = (k cos).q +
+        (k sin).(-rot(q)), the tables' two halves being equal, so no turned key is built."""
         if self.frame is not None:
-            return q @ self.keys()[None].transpose(-1, -2)
-        out = torch.stack([(q[0, h] @ hd["axes"].float()) @ self._coords(hd).t()
-                           + (q[0, h] @ hd["mean"].float())[:, None] for h, hd in enumerate(self.heads)])
+            cos, sin = self.frame.tables(0, self.T, q.device)
+            if q.device.type == "cpu" and native.library() is not None:
+                return self._native_scores(q, cos, sin)
+            k = self._coded_keys()
+            s = torch.bmm(q[0], (k * cos).transpose(1, 2))
+            return s.baddbmm_(-rotate_half(q[0]), (k.mul_(sin)).transpose(1, 2))[None]
+        out = []
+        for h, hd in enumerate(self.heads):
+            s = (q[0, h] @ hd["mean"].float())[:, None].expand(-1, self.T).clone()
+            for z, w in self._parts(hd):
+                s.addmm_(q[0, h] @ w.t(), z.t())
+            out.append(s)
+        return self._with_exact(torch.stack(out), q)
+
+    def _native_scores(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """`scores` of keys coded before RoPE through the packed-code kernel (native.score_prerope): each key rebuilt
+        and turned in registers, no (T, d) tensor written; the exact outliers' logits after, turned the same way."""
+        out = []
+        for h, hd in enumerate(self.heads):
+            axes = hd["axes"].float() * hd["std"].float()
+            w = torch.cat([axes[:, cols].t() for cols, _, _, _ in hd["groups"]] or [axes.new_zeros(0, self.d)])
+            groups = [(codes, levels) for _, _, levels, codes in hd["groups"]]
+            out.append(native.score_prerope(groups, w, hd["mean"].float(), cos, sin, q[0, h]))
+        return self._with_exact(torch.stack(out), q, cos, sin)
+
+    def _with_exact(self, out: Tensor, q: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+        """Scores (H, M, T) with the exact outliers' logits in place (their keys turned by the tables, if given)
+        -> (1, H, M, T)."""
         if self.exact is not None:
             idx, ek = self.exact
-            out.scatter_(2, idx.long()[:, None, :].expand(-1, out.shape[1], -1), q[0] @ ek.float().transpose(1, 2))
+            idx, ek = idx.long(), ek.float()
+            if cos is not None:
+                ek = rotate(ek, cos[idx], sin[idx])
+            out.scatter_(2, idx[:, None, :].expand(-1, out.shape[1], -1), q[0] @ ek.transpose(1, 2))
         return out[None]
 
     def nbytes(self) -> int:

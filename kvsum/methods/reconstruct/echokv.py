@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ...calibrate import Artifact, EchoPlan, artifact_for
 from ...errors import KVSumError
-from ...rope import layer_rope, rope_tables, rotate, unrotate
+from ...rope import layer_rope, rotate, shared_tables, unrotate
 from ...state import tensor_bytes
 from ..base import LayerInput, Method, Plan
 from ..registry import register
@@ -82,7 +82,7 @@ class EchoState:
 
     def _tables(self):
         """RoPE tables (tokens after the sinks, 1, d), to broadcast over heads."""
-        tables = rope_tables(self.rope["inv_freq"], self.rope["scaling"], self.T, self.stored["k"].device)
+        tables = shared_tables(self.rope["inv_freq"], self.rope["scaling"], self.T, self.stored["k"].device)
         return [t[self.S:, None] for t in tables]
 
     def _placed(self, w: str, own: Tensor, rest: Tensor | None = None) -> Tensor:

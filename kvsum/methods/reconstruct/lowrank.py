@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ...calibrate import Artifact, artifact_for
 from ...errors import KVSumError
-from ...rope import layer_rope, rope_tables, rotate, unrotate
+from ...rope import layer_rope, rope_tables, rotate, shared_tables, unrotate
 from ...state import tensor_bytes
 from ..base import LayerInput, Method, Plan
 from ..registry import register
@@ -81,7 +81,7 @@ class LowRankState:
         c = self.coef.k if w == "k" else self.coef.v
         x = (c.float() @ B.t() + mean).view(self.T - self.S, self.H, self.d).transpose(0, 1)
         if w == "k" and self.rope is not None:
-            tables = rope_tables(self.rope["inv_freq"], self.rope["scaling"], self.T, x.device)
+            tables = shared_tables(self.rope["inv_freq"], self.rope["scaling"], self.T, x.device)
             x = rotate(x, *(t[self.S:] for t in tables))
         return x
 

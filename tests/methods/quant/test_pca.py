@@ -119,3 +119,28 @@ def test_pca_outliers_keep_the_worst_coded_tokens_exact_in_the_same_bytes():
     for bad in (dict(outliers=0.01), dict(outliers=1.0, key_basis="pca")):
         with pytest.raises(kvsum.KVSumError, match="outliers"):
             make_method("turboquant", **bad)
+
+
+@pytest.mark.parametrize("d,rate", [(64, 2.5), (16, 7.0)])
+def test_pre_rope_scores_read_the_packed_codes_as_the_dequantized_keys(d, rate):
+    """The packed-code kernel's pre-RoPE scores (each key rebuilt and turned in registers; d = 64 in registers, other
+    head dims by the generic loop; widths up to 8 bits; token counts that are no multiple of its blocks), the exact
+    outliers' logits among them, equal the dequantized keys' turned to their positions, before and after decoding."""
+    from kvsum.methods.quant import native
+    from kvsum.methods.quant.pca import KeyTransform, RopeFrame
+    from kvsum.rope import rope_tables, rotate
+    if native.library() is None:
+        pytest.skip("no packed-code kernel on this machine")
+    H, T, n = 2, 1001, 5
+    g = torch.Generator().manual_seed(d)
+    rope = {"inv_freq": 1.0 / 1000 ** (torch.arange(0, d, 2) / d), "scaling": 1.0}
+    pre = torch.randn(H, T + n, d, generator=g) * torch.logspace(0.5, -0.5, d) + 1
+    keys = rotate(pre, *rope_tables(rope["inv_freq"], 1.0, T + n))
+    kt = KeyTransform(keys[:, :T], torch.randn(H, 40, d, generator=g), head_bytes=int(T * rate * d / 8),
+                      outliers=0.02, frame=RopeFrame(rope, 0, T, T))
+    widths = {k for hd in kt.heads for _, k, _, _ in hd["groups"]}
+    assert len(widths) >= 3 and (max(widths) >= 6 or d == 64)
+    q = torch.randn(1, H, 3, d, generator=g)
+    for _ in range(2):
+        assert torch.allclose(kt.scores(q), q @ kt.keys()[None].transpose(-1, -2), atol=1e-4)
+        kt.extend(keys[:, T:])
