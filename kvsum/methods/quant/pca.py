@@ -217,12 +217,13 @@ class KeyTransform:
     def scores(self, q: Tensor) -> Tensor:
         """q (1, H, M, d) against the keys -> (1, H, M, T) unscaled: the queries move onto each head's axes once;
         the mean's logit is exact, and so are the outliers'. Keys coded before RoPE are read at their positions
-        (each position turns them differently), rebuilt and turned in registers by the packed-code kernel where it
-        runs; else dequantized, with RoPE's rotate-half moved onto the queries: q.(k cos + rot(k) sin) = (k cos).q +
-        (k sin).(-rot(q)), the tables' two halves being equal, so no turned key is built."""
+        (each position turns them differently), rebuilt and turned in registers by the packed-code kernel at a
+        decoding step on the CPU; else (many query rows, where a matmul is faster) dequantized, with RoPE's
+        rotate-half moved onto the queries: q.(k cos + rot(k) sin) = (k cos).q + (k sin).(-rot(q)), the tables'
+        two halves being equal, so no turned key is built."""
         if self.frame is not None:
             cos, sin = self.frame.tables(0, self.T, q.device)
-            if q.device.type == "cpu" and native.library() is not None:
+            if q.device.type == "cpu" and q.shape[2] <= native.MAX_ROWS and native.library() is not None:
                 return self._native_scores(q, cos, sin)
             k = self._coded_keys()
             s = torch.bmm(q[0], (k * cos).transpose(1, 2))

@@ -140,7 +140,8 @@ def test_pre_rope_scores_read_the_packed_codes_as_the_dequantized_keys(d, rate):
                       outliers=0.02, frame=RopeFrame(rope, 0, T, T))
     widths = {k for hd in kt.heads for _, k, _, _ in hd["groups"]}
     assert len(widths) >= 3 and (max(widths) >= 6 or d == 64)
-    q = torch.randn(1, H, 3, d, generator=g)
-    for _ in range(2):
-        assert torch.allclose(kt.scores(q), q @ kt.keys()[None].transpose(-1, -2), atol=1e-4)
+    for _ in range(2):  # 3 rows: the kernel; 20 rows (a teacher-forced run): PyTorch's path with rotate-half moved
+        for rows in (3, native.MAX_ROWS + 4):  # onto the queries
+            q = torch.randn(1, H, rows, d, generator=g)
+            assert torch.allclose(kt.scores(q), q @ kt.keys()[None].transpose(-1, -2), atol=1e-4)
         kt.extend(keys[:, T:])
