@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
 
@@ -22,7 +21,7 @@ from kvsum.eval.tasks import DEPTHS, example_seed, get_task
 from kvsum.methods import make_method, prefill_needs
 from kvsum.stability import DTYPES
 
-from .common import arguments, write_page
+from .common import arguments, start, write_page
 from .diagnose import build
 from .long_suite import answer, configs
 
@@ -103,9 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--methods", nargs="+", required=True, help="spec strings (name:knob=value,...@budget)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model, tok = kvsum.load_model(args.model, dtype=DTYPES[args.dtype])
-    t0 = time.perf_counter()
+    model, tok, t0 = start(args)
     recs = run(model, tok, args)
     rows = rows_of(recs)
     table = ["| configuration | budget | bytes held | value-token NLL | over the full cache's | examples below "

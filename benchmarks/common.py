@@ -16,6 +16,7 @@ import torch
 import kvsum
 from kvsum.eval import write
 from kvsum.eval.report import meta
+from kvsum.stability import DTYPES
 
 from .experiments import RESULTS
 from .specs import method_rows, parse_method, parse_row
@@ -101,9 +102,11 @@ def arguments(doc: str, name: str, threads: int) -> argparse.ArgumentParser:
 
 
 def start(args):
-    """Set the thread count, load the model; returns (model, tokenizer, start time)."""
+    """Set the thread count, load the model (in --dtype, where the runner has it); returns (model, tokenizer, start
+    time)."""
     torch.set_num_threads(args.threads)
-    model, tok = kvsum.load_model(args.model)
+    dtype = getattr(args, "dtype", None)
+    model, tok = kvsum.load_model(args.model, **({"dtype": DTYPES[dtype]} if dtype else {}))
     return model, tok, time.perf_counter()
 
 

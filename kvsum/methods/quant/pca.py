@@ -100,10 +100,11 @@ class RopeFrame:
 
     def tables(self, first: int, n: int, device) -> tuple[Tensor, Tensor]:
         """cos, sin (n, d) at the positions of held keys first..first + n - 1: a slice of the shared tables where
-        those positions follow one another (the decoded run right after the prompt's, the usual case)."""
-        if self.start == 0 and self.resume == self.n:
-            cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], first + n, device)
-            return cos[first:], sin[first:]
+        the decoded run follows the prompt's (every position is then start + index), else their rows gathered."""
+        if self.resume == self.start + self.n:
+            a = self.start + first
+            cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], a + n, device)
+            return cos[a:], sin[a:]
         return self._at(self.positions(first, n), device)
 
     def _at(self, pos: Tensor, device) -> tuple[Tensor, Tensor]:
@@ -187,12 +188,15 @@ class KeyTransform:
         self.T += keys.shape[1]
 
     @staticmethod
-    def _parts(head: dict):
-        """Each width group's looked-up levels (T, c) and its axes scaled by their deviations (c, d): a head's keys
-        are the mean plus the sum of their products, with no (T, r) coordinates scattered together."""
+    def _weights(head: dict) -> list[Tensor]:
+        """Each width group's axes times their deviations (c, d): a head's keys are its mean plus, per group, the
+        looked-up levels (T, c) times these, with no (T, r) coordinates scattered together."""
         axes = head["axes"].float() * head["std"].float()
-        for cols, _, _, codes in head["groups"]:
-            yield codes.lookup(), axes[:, cols].t()
+        return [axes[:, cols].t() for cols, _, _, _ in head["groups"]]
+
+    def _parts(self, head: dict):
+        """Each width group's looked-up levels (T, c) and weights (c, d)."""
+        return zip((codes.lookup() for _, _, _, codes in head["groups"]), self._weights(head))
 
     def _head_keys(self, head: dict) -> Tensor:
         """One head's decoded keys (T, d), codes only."""
@@ -241,8 +245,7 @@ class KeyTransform:
         and turned in registers, no (T, d) tensor written; the exact outliers' logits after, turned the same way."""
         out = []
         for h, hd in enumerate(self.heads):
-            axes = hd["axes"].float() * hd["std"].float()
-            w = torch.cat([axes[:, cols].t() for cols, _, _, _ in hd["groups"]] or [axes.new_zeros(0, self.d)])
+            w = torch.cat(self._weights(hd) or [hd["mean"].new_zeros(0, self.d, dtype=torch.float32)])
             groups = [(codes, levels) for _, _, levels, codes in hd["groups"]]
             out.append(native.score_prerope(groups, w, hd["mean"].float(), cos, sin, q[0, h]))
         return self._with_exact(torch.stack(out), q, cos, sin)

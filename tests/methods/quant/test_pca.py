@@ -134,6 +134,12 @@ def test_pre_rope_scores_read_the_packed_codes_as_the_dequantized_keys(d, rate):
     H, T, n = 2, 1001, 5
     g = torch.Generator().manual_seed(d)
     rope = {"inv_freq": 1.0 / 1000 ** (torch.arange(0, d, 2) / d), "scaling": 1.0}
+    # a frame's tables: slices of the shared ones where the decoded run follows the prompt's (here after 4 sinks),
+    # the rows of its positions either way
+    for resume in (104, 200):
+        frame = RopeFrame(rope, 4, 100, resume)
+        at = frame._at(frame.positions(10, 120), "cpu")
+        assert all(torch.equal(a, b) for a, b in zip(frame.tables(10, 120, "cpu"), at))
     pre = torch.randn(H, T + n, d, generator=g) * torch.logspace(0.5, -0.5, d) + 1
     keys = rotate(pre, *rope_tables(rope["inv_freq"], 1.0, T + n))
     kt = KeyTransform(keys[:, :T], torch.randn(H, 40, d, generator=g), head_bytes=int(T * rate * d / 8),
