@@ -20,8 +20,8 @@ import torch
 
 import kvsum
 from kvsum.methods import make_method
-from kvsum.methods.quant.pca import RopeFrame
 from kvsum.methods.quant.turboquant import TurboQuant
+from kvsum.rope import RopeFrame
 from kvsum.state import tensor_bytes
 
 

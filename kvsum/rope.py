@@ -87,3 +87,45 @@ def layer_rope(rope: dict | None, layer: int) -> dict | None:
     if rope is None:
         return None
     return {"inv_freq": rope["inv_freq"][layer], "scaling": float(rope["scaling"][layer])}
+
+
+class RopeFrame:
+    """Positions of a layer's coded keys, for coding them before RoPE: the prompt's `n` keys from `start`, then
+    decoded keys from `resume` (the prompt's length: the positions the model gives them). The tables are
+    recomputed from the model's own `rope` (kvsum.rope.layer_rope), not held."""
+
+    def __init__(self, rope: dict, start: int, n: int, resume: int):
+        self.rope, self.start, self.n, self.resume = rope, start, n, resume
+
+    def positions(self, first: int, n: int) -> Tensor:
+        """Positions of held keys first..first + n - 1 (the prompt's run, then the decoded one)."""
+        i = torch.arange(first, first + n)
+        return torch.where(i < self.n, self.start + i, self.resume + i - self.n)
+
+    def tables(self, first: int, n: int, device) -> tuple[Tensor, Tensor]:
+        """cos, sin (n, d) at the positions of held keys first..first + n - 1: a slice of the shared tables where
+        the decoded run follows the prompt's (every position is then start + index), else their rows gathered."""
+        if self.resume == self.start + self.n:
+            a = self.start + first
+            cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], a + n, device)
+            return cos[a:], sin[a:]
+        return self._at(self.positions(first, n), device)
+
+    def _at(self, pos: Tensor, device) -> tuple[Tensor, Tensor]:
+        pos = pos.to(device)
+        cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], int(pos.max()) + 1, device)
+        return cos[pos], sin[pos]
+
+    def undo(self, keys: Tensor, first: int) -> Tensor:
+        """Post-RoPE keys (H, n, d), held from index `first`, turned back to before RoPE."""
+        return unrotate(keys, *self.tables(first, keys.shape[1], keys.device))
+
+    def apply(self, keys: Tensor) -> Tensor:
+        """Pre-RoPE keys (H, T, d), all that is held, turned to their positions."""
+        return rotate(keys, *self.tables(0, keys.shape[1], keys.device))
+
+    def queries(self, q: Tensor, n_pos: int = 64) -> Tensor:
+        """Reference queries (H, M, d) as pre-RoPE keys at `n_pos` prompt positions see them: (H, M * n_pos, d)."""
+        pos = self.positions(0, self.n)[torch.linspace(0, self.n - 1, min(n_pos, self.n)).long().unique()]
+        cos, sin = self._at(pos, q.device)
+        return unrotate(q[:, :, None, :], cos, sin).flatten(1, 2)

@@ -6,6 +6,7 @@ from .base import Experiment, spec, tq
 
 # the flagship's sentence composition before its recent window (the rule's knobs at 0.125-0.1, 32-token window)
 COMPOSED = "summary+turboquant"
+PRE_ROPE_COVER = tq(bits=3.5, key_basis="pca", pre_rope=True, unbiased="values", skew=0)
 SENTENCES = dict(score="sentence", key_shift=1, center=True, entropy_allocation=False)
 
 PLAIN = "summary:by_budget=False"  # summary with its own defaults (before "summary" meant the flagship by budget)
@@ -158,6 +159,11 @@ EXPERIMENTS = [
                         spec("turboquant", (0.25,), bits=3.5, key_basis="pca", pre_rope=True, unbiased="values",
                              skew=0)),
                lengths=(16384,), n=4, threads=2, args=("--model", "qwen2.5-coder-0.5b")),
+    Experiment("answer_nll_cover_pre_rope_16k", "long", "answer_nll", "answer_nll_16k's examples with the flagship's "
+               "cover at 0.25 holding pca keys coded before RoPE (3.5 bits) instead of rotated codes: whether the "
+               "cover's exact anchors add to what pre-RoPE keys copy",
+               methods=(spec("summary", (0.25,), cover=PRE_ROPE_COVER, score="surprisal"),),
+               lengths=(16384,), n=4, threads=2, args=("--model", "qwen2.5-coder-0.5b")),
     Experiment("long_rope_centered_16k", "long", "long_suite", "the three list tasks at 16k on dev seeds: TurboQuant's "
                "rotated codes with keys centered after RoPE (the cover's) against keys less their pre-RoPE mean turned "
                "to each position (the turboquant_rope_centered diagnosis: accuracy only, no decode timing), everywhere "
@@ -178,6 +184,11 @@ EXPERIMENTS = [
                lengths=(2048,), n=50, threads=2,
                methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
+    Experiment("frontier_cover_pre_rope_dev", "frontier", "frontier", "the flagship at 0.25 beside the same cover "
+               "holding pca keys coded before RoPE (3.5 bits), 2k, dev seeds: whether the keys that copy values at 16k "
+               "on Qwen pay on SmolLM2 at 2k", lengths=(2048,), n=50, threads=2,
+               methods=("summary", spec("summary", cover=PRE_ROPE_COVER, score="surprisal")),
+               args=("--n-lm", "8", "--budgets", "0.25", "--seed", "1000")),
     Experiment("frontier_lm32", "frontier", "frontier", "lm KL alone on 32 test windows (frontier_flagship's 8 "
                "first) at 0.25 / 0.10 / 0.05: the flagship beside SnapKV's selection as codes and TurboQuant, where "
                "8 windows separate them by less than one window's spread", lengths=(2048,), n=0, threads=1,

@@ -355,74 +355,323 @@ int kv_mix_runs(const uint8_t *data, int64_t T, int64_t H, int64_t d, int64_t ch
     return 0;
 }
 
-/* pca keys coded before RoPE (pca.py), one head: width groups g of c[g] axes at nbits[g] bits, packed token-major
-   with no row alignment (code u of token t is code t * c[g] + u of the group's store), whose levels times the
-   axes' deviations are the rows of w. Per token the key is rebuilt in registers, turned to its position and read:
-   k = mean + sum_j z_j w[j] (w (r, d), rows in group order), out[m, t] = q[m] . (k cos[t] + rotate_half(k) sin[t])
-   (cos, sin (T, d): the token's position's rows). Blocks of PB tokens (a multiple of 8) start on whole groups of 8
-   codes, so each group's codes are decoded eight at a time (decode8; the store's padding completes the last);
-   nothing of size T x d is written. */
-#define PB 32
+/* kv_score_prerope's token at head dim 64 (the bundled models'), all in registers: the key rebuilt from its decoded
+   codes (z[g][tl * c[g] + u]), turned by its position's cos / sin row and read by the M query rows into
+   out[m * T]. The tables' two halves are equal (Llama-style RoPE), so only the first is read: half the traffic.
+   With AVX-512 the key is four registers, else eight. */
+#ifdef __AVX512F__
+#define VW 16
+#define KT 4  /* keys rebuilt at once: four FMA chains a register hide each other's latency */
+#define V __m512
+#define VLOAD _mm512_loadu_ps
+#define VSET1 _mm512_set1_ps
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VFMA _mm512_fmadd_ps
+#define VFNMA _mm512_fnmadd_ps
+static inline float vsum(__m512 s) { return _mm512_reduce_add_ps(s); }
+#else
+#define VW 8
+#define KT 1  /* the key's eight registers already hide the FMA latency; two would spill */
+#define V __m256
+#define VLOAD _mm256_loadu_ps
+#define VSET1 _mm256_set1_ps
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VFMA _mm256_fmadd_ps
+#define VFNMA _mm256_fnmadd_ps
+static inline float vsum(__m256 s) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    return _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(h, h), h));
+}
+#endif
+#define NV (64 / VW)
 
-int kv_score_prerope(int ngroups, const uint8_t *const *data, const int64_t *c, const int *nbits,
-                     const float *const *levels, const float *w, const float *mean, const float *cosv,
-                     const float *sinv, int64_t T, int64_t d, const float *q, int64_t M, float *out, int threads) {
-    int64_t r = 0;
-    for (int g = 0; g < ngroups; g++) r += c[g];
-    if (r > 256 || d > 256 || d % 2 || ngroups > MAX_PARTS) return -1;
-    const int64_t half = d / 2, blocks = (T + PB - 1) / PB, per = PB * r + 8 * MAX_PARTS;
-    float *buf = malloc(sizeof(float) * threads * per);  /* each thread's decoded block */
-    if (!buf) return -1;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int k = 0; k < threads; k++) {
-        float *z = buf + k * per, key[256], turned[256];
-        __m256 lv[MAX_PARTS][4];
-        for (int g = 0; g < ngroups; g++) load_levels(levels[g], nbits[g], lv[g]);
-        for (int64_t blk = blocks * k / threads; blk < blocks * (k + 1) / threads; blk++) {
-            const int64_t t0 = blk * PB, nt = T - t0 < PB ? T - t0 : PB;
-            float *zg[MAX_PARTS];
-            for (int g = 0, off = 0; g < ngroups; off += (int)(PB * c[g] + 8), g++) {
-                zg[g] = z + off;
-                const int b = nbits[g];
-                const uint8_t *src = data[g] + (t0 * c[g] / 8) * b;
-                for (int64_t e = 0; e < nt * c[g]; e += 8)
-                    _mm256_storeu_ps(zg[g] + e, decode8(src + e / 8 * b, b, lv[g], levels[g]));
+/* A key k (registers) turned by its position's cos / sin row and read by the M query rows into out[m * T] */
+static inline __attribute__((always_inline)) void read64(const V *k, const float *ct, const float *st,
+        const float *q, int64_t M, float *out, int64_t T) {
+    V r[NV];
+    for (int i = 0; i < NV / 2; i++) {
+        const V cs = VLOAD(ct + VW * i), sn = VLOAD(st + VW * i);
+        r[i] = VFNMA(k[i + NV / 2], sn, VMUL(k[i], cs));
+        r[i + NV / 2] = VFMA(k[i], sn, VMUL(k[i + NV / 2], cs));
+    }
+    for (int64_t m = 0; m < M; m++, q += 64) {
+        V sm = VMUL(VLOAD(q), r[0]);
+        for (int i = 1; i < NV; i++) sm = VFMA(VLOAD(q + VW * i), r[i], sm);
+        out[m * T] = vsum(sm);
+    }
+}
+
+/* KT keys from token tl rebuilt at once (w's rows loaded once for all), then each turned and read */
+static inline __attribute__((always_inline)) void prerope64(float *const *z, const int64_t *c, int ngroups,
+        int64_t tl, const float *w, const float *mean, const float *ct, const float *st, const float *q, int64_t M,
+        float *out, int64_t T) {
+    V k[KT][NV];
+    for (int j = 0; j < KT; j++)
+        for (int i = 0; i < NV; i++) k[j][i] = VLOAD(mean + VW * i);
+    for (int g = 0; g < ngroups; g++) {
+        const float *zt = z[g] + tl * c[g];
+        for (int64_t u = 0; u < c[g]; u++, w += 64)
+            for (int i = 0; i < NV; i++) {
+                const V wi = VLOAD(w + VW * i);
+                for (int j = 0; j < KT; j++) k[j][i] = VFMA(VSET1(zt[j * c[g] + u]), wi, k[j][i]);
             }
-            for (int64_t tl = 0; tl < nt; tl++) {
-                const int64_t t = t0 + tl;
-                if (d == 64) {  /* the bundled models' head dim: the key in eight registers */
-                    __m256 acc[8];
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_loadu_ps(mean + 8 * i);
-                    const float *wa = w;
-                    for (int g = 0; g < ngroups; g++)
-                        for (int64_t u = 0; u < c[g]; u++, wa += 64) {
-                            const __m256 za = _mm256_set1_ps(zg[g][tl * c[g] + u]);
-                            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(za, _mm256_loadu_ps(wa + 8 * i), acc[i]);
-                        }
-                    for (int i = 0; i < 8; i++) _mm256_storeu_ps(key + 8 * i, acc[i]);
-                } else {
-                    for (int64_t i = 0; i < d; i++) key[i] = mean[i];
-                    const float *wa = w;
-                    for (int g = 0; g < ngroups; g++)
-                        for (int64_t u = 0; u < c[g]; u++, wa += d) {
-                            const float za = zg[g][tl * c[g] + u];
-                            for (int64_t i = 0; i < d; i++) key[i] += za * wa[i];
-                        }
-                }
-                const float *ct = cosv + t * d, *st = sinv + t * d;
-                for (int64_t i = 0; i < half; i++) {
-                    turned[i] = key[i] * ct[i] - key[i + half] * st[i];
-                    turned[i + half] = key[i + half] * ct[i + half] + key[i] * st[i + half];
-                }
-                for (int64_t m = 0; m < M; m++) {
-                    const float *qm = q + m * d;
-                    float s = 0.0f;
-                    for (int64_t i = 0; i < d; i++) s += qm[i] * turned[i];
-                    out[m * T + t] = s;
-                }
+    }
+    for (int j = 0; j < KT; j++) read64(k[j], ct + 64 * j, st + 64 * j, q, M, out + j, T);
+}
+
+/* The same for any even head dim d (up to 256), through memory. */
+static inline void prerope_any(float *const *z, const int64_t *c, int ngroups, int64_t tl, const float *w,
+        const float *mean, const float *ct, const float *st, const float *q, int64_t M, float *out, int64_t T,
+        int64_t d) {
+    const int64_t half = d / 2;
+    float key[256], turned[256];
+    for (int64_t i = 0; i < d; i++) key[i] = mean[i];
+    for (int g = 0; g < ngroups; g++)
+        for (int64_t u = 0; u < c[g]; u++, w += d) {
+            const float za = z[g][tl * c[g] + u];
+            for (int64_t i = 0; i < d; i++) key[i] += za * w[i];
+        }
+    for (int64_t i = 0; i < half; i++) {
+        turned[i] = key[i] * ct[i] - key[i + half] * st[i];
+        turned[i + half] = key[i + half] * ct[i] + key[i] * st[i];
+    }
+    for (int64_t m = 0; m < M; m++, q += d) {
+        float s = 0.0f;
+        #pragma omp simd reduction(+:s)
+        for (int64_t i = 0; i < d; i++) s += q[i] * turned[i];
+        out[m * T] = s;
+    }
+}
+
+/* With AMX (Intel's tile matrix unit) a block's keys are rebuilt 16 at a time as one bf16 matrix product, the
+   weights and the decoded levels each split into a bf16 high part and a bf16 rest so that
+   Zh Wh + Zh Wl + Zl Wh keeps about 16 bits of each product (the dropped Zl Wl is 2^-18 of it): A' = [Zh | Zl] (16
+   tokens, 2 rp columns, rp = r rounded up to 32, zero beyond r), B' = [Wh; Wl] (2 rp rows, in the tile unit's
+   pair-interleaved layout), Zh read against both halves of B', Zl against Wh. The operating system must grant the
+   tile state first (kv_amx). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+static int amx_granted = -1;
+
+int kv_amx(void) {  /* 1 where the kernel grants this process the AMX tile data (arch_prctl XCOMP_PERM), else 0 */
+    if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    return amx_granted;
+}
+
+int kv_amx_allow(int allow) {  /* allow = 0: the AVX path from now on (tests compare the two); 1: AMX where granted */
+    amx_granted = allow ? -1 : 0;
+    return kv_amx();
+}
+
+static inline uint16_t to_bf16(float x) {  /* round to nearest even, as _mm512_cvtneps_pbh */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+
+static void amx_configure(void) {  /* tiles 0-3: a 16 x 64 float block of keys; 4: A' rows; 5: B' tile */
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* B' of a head's w (r, 64) as (2 rp / 32) x 4 tiles of 16 x 32 bf16: tile (ks, n), row kk holds rows 32 ks + 2 kk
+   and + 1 of B' interleaved, columns 16 n .. 16 n + 15. */
+static void amx_weights(const float *w, int64_t r, int64_t rp, uint16_t *bt) {
+    for (int64_t row = 0; row < 2 * rp; row++) {
+        const int64_t part = row / rp, j = row % rp, ks = row / 32, kk = row % 32 / 2, odd = row % 2;
+        for (int64_t col = 0; col < 64; col++) {
+            uint16_t v = 0;
+            if (j < r) {
+                const float x = w[j * 64 + col];
+                const uint16_t hi = to_bf16(x);
+                v = part == 1 ? to_bf16(x - from_bf16(hi)) : hi;
+            }
+            bt[((ks * 4 + col / 16) * 16 + kk) * 32 + col % 16 * 2 + odd] = v;
+        }
+    }
+}
+
+/* A' rows of tokens tl0 .. tl0 + 15 of a decoded block (zg as in prerope64), row pitch 2 rp; columns r .. rp - 1 of
+   each part stay as they were (zero). */
+static inline void amx_rows(float *const *zg, const int64_t *c, int ng, int64_t tl0, int64_t rp, uint16_t *a) {
+    for (int i = 0; i < 16; i++) {
+        uint16_t *row = a + i * 2 * rp;
+        int64_t off = 0;
+        for (int g = 0; g < ng; off += c[g], g++) {
+            const float *src = zg[g] + (tl0 + i) * c[g];
+            for (int64_t u = 0; u < c[g]; u += 16) {
+                const __mmask16 m = c[g] - u >= 16 ? 0xffff : (__mmask16)((1u << (c[g] - u)) - 1);
+                const __m512 v = _mm512_maskz_loadu_ps(m, src + u);
+                const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
+                const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+                const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+                _mm256_mask_storeu_epi16(row + off + u, m, hi);
+                _mm256_mask_storeu_epi16(row + rp + off + u, m, lo);
             }
         }
     }
-    free(buf);
+}
+
+/* tile 4 (A' columns) times the four column tiles of B' at b, into tiles 0-3 */
+#define AMX_COLUMNS(b) do { \
+    _tile_loadd(5, (b), 64); _tile_dpbf16ps(0, 4, 5); _tile_loadd(5, (b) + 512, 64); _tile_dpbf16ps(1, 4, 5); \
+    _tile_loadd(5, (b) + 1024, 64); _tile_dpbf16ps(2, 4, 5); _tile_loadd(5, (b) + 1536, 64); _tile_dpbf16ps(3, 4, 5); \
+} while (0)
+
+/* 16 keys less their mean (16 x 64 floats into k) */
+static inline void amx_keys(const uint16_t *a, int64_t rp, const uint16_t *bt, float *k) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ks = 0; ks < rp / 32; ks++) {
+        const uint16_t *wh = bt + ks * 4 * 512, *wl = bt + (rp / 32 + ks) * 4 * 512;
+        _tile_loadd(4, a + ks * 32, 2 * rp * 2);  /* Zh: against Wh and Wl */
+        AMX_COLUMNS(wh);
+        AMX_COLUMNS(wl);
+        _tile_loadd(4, a + rp + ks * 32, 2 * rp * 2);  /* Zl: against Wh */
+        AMX_COLUMNS(wh);
+    }
+    _tile_stored(0, k, 256);
+    _tile_stored(1, k + 16, 256);
+    _tile_stored(2, k + 32, 256);
+    _tile_stored(3, k + 48, 256);
+}
+#else
+int kv_amx(void) { return 0; }
+int kv_amx_allow(int allow) { return 0; }
+#endif
+
+/* pca keys coded before RoPE (pca.py), one layer's H heads in one call. Head h holds axes (d, r[h]) and deviations
+   (r[h]) in fp16, each axis's width (r[h] bytes) and a mean key (d, fp16); its width groups gs[h] .. gs[h + 1] - 1,
+   in increasing width, hold the codes of the axes of that width (in axis order), c[g] a token at nbits[g] bits,
+   packed token-major with no row alignment (code u of token t is code t * c[g] + u of the group's store), read
+   through levels[g]. Per token the key is rebuilt from w, each group's axes times their deviations stacked in group
+   order (built here from the held fp16 tensors, so nothing derived is held between steps):
+   k = mean + sum_j z_j w[j], out[h, m, t] = q[h, m] . (k cos[t] + rotate_half(k) sin[t]) (cos, sin (T, d): the
+   token's position's rows). Blocks of PB tokens (a multiple of 8) start on whole groups of 8 codes, so each group's
+   codes are decoded eight at a time (decode8; the store's padding completes the last); a block's table rows are read
+   once for all heads, and nothing of size T x d is written. */
+#define PB 32
+#define MAX_HEADS 64
+
+int kv_score_prerope(int H, const int *gs, const uint8_t *const *data, const int64_t *c, const int *nbits,
+                     const float *const *levels, const uint16_t *const *axes, const uint16_t *const *dev,
+                     const uint8_t *const *widths, const uint16_t *const *mean, const int64_t *r, const float *cosv,
+                     const float *sinv, int64_t T, int64_t d, const float *q, int64_t M, float *out, int threads) {
+    if (H > MAX_HEADS || d > 256 || d % 2) return -1;
+    int64_t wsize = 0, zsize = 0;
+    for (int h = 0; h < H; h++) {
+        int64_t n = 0;
+        for (int g = gs[h]; g < gs[h + 1]; g++) n += c[g];
+        if (n != r[h] || r[h] > 256 || gs[h + 1] - gs[h] > MAX_PARTS) return -1;
+        wsize += (r[h] + 1) * d;
+        if (PB * r[h] + 8 * MAX_PARTS > zsize) zsize = PB * r[h] + 8 * MAX_PARTS;
+    }
+    const int64_t blocks = (T + PB - 1) / PB;
+    float *wbuf = malloc(sizeof(float) * (wsize + threads * zsize));
+    if (!wbuf) return -1;
+#ifdef HAVE_AMX
+    const int amx = d == 64 && kv_amx();
+    int64_t rp[MAX_HEADS], bsize = 0, asize = 0;  /* asize: a thread's A' rows of every head */
+    for (int h = 0; h < H; h++) rp[h] = (r[h] + 31) / 32 * 32, bsize += 2 * rp[h] * 64, asize += 16 * 2 * rp[h];
+    uint16_t *bts = amx ? malloc(2 * (bsize + threads * asize)) : NULL;
+    if (amx && !bts) return free(wbuf), -1;
+    if (amx) memset(bts + bsize, 0, 2 * threads * asize);
+#endif
+    float *wh[MAX_HEADS], *mh[MAX_HEADS], *zbuf = wbuf + wsize;
+    for (int h = 0, off = 0; h < H; off += (int)((r[h] + 1) * d), h++) {  /* mean row, then w's rows */
+        mh[h] = wbuf + off;
+        wh[h] = mh[h] + d;
+        for (int64_t i = 0; i < d; i++) mh[h][i] = _cvtsh_ss(mean[h][i]);
+        float *row = wh[h];
+        for (int g = gs[h]; g < gs[h + 1]; g++)
+            for (int64_t j = 0; j < r[h]; j++) {
+                if (widths[h][j] != nbits[g]) continue;
+                const float sd = _cvtsh_ss(dev[h][j]);
+                for (int64_t i = 0; i < d; i++) row[i] = _cvtsh_ss(axes[h][i * r[h] + j]) * sd;
+                row += d;
+            }
+    }
+#ifdef HAVE_AMX
+    uint16_t *bt[MAX_HEADS];
+    for (int h = 0, off = 0; amx && h < H; off += (int)(2 * rp[h] * 64), h++)
+        amx_weights(wh[h], r[h], rp[h], bt[h] = bts + off);
+#endif
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int k = 0; k < threads; k++) {
+        float *z = zbuf + k * zsize;
+#ifdef HAVE_AMX
+        float kb[16 * 64];
+        uint16_t *ah[MAX_HEADS];
+        for (int h = 0, off = 0; amx && h < H; off += (int)(16 * 2 * rp[h]), h++)
+            ah[h] = bts + bsize + k * asize + off;
+        if (amx) amx_configure();
+#endif
+        for (int64_t blk = blocks * k / threads; blk < blocks * (k + 1) / threads; blk++) {
+            const int64_t t0 = blk * PB, nt = T - t0 < PB ? T - t0 : PB;
+            for (int h = 0; h < H; h++) {
+                const int ng = gs[h + 1] - gs[h];
+                const int64_t *ch = c + gs[h];
+                float *zg[MAX_PARTS];
+                for (int g = 0, off = 0; g < ng; off += (int)(PB * ch[g] + 8), g++) {
+                    const int G = gs[h] + g, b = nbits[G];
+                    __m256 lv[4];
+                    load_levels(levels[G], b, lv);
+                    zg[g] = z + off;
+                    const uint8_t *src = data[G] + (t0 * ch[g] / 8) * b;
+                    for (int64_t e = 0; e < nt * ch[g]; e += 8)
+                        _mm256_storeu_ps(zg[g] + e, decode8(src + e / 8 * b, b, lv, levels[G]));
+                }
+                const float *qh = q + h * M * d;
+                float *oh = out + h * M * T;
+                int64_t tl = 0;
+#ifdef HAVE_AMX
+                for (; amx && tl + 16 <= nt; tl += 16) {
+                    amx_rows(zg, ch, ng, tl, rp[h], ah[h]);
+                    amx_keys(ah[h], rp[h], bt[h], kb);
+                    for (int i = 0; i < 16; i++) {
+                        V key[NV];
+                        for (int j = 0; j < NV; j++) key[j] = VADD(VLOAD(kb + 64 * i + VW * j), VLOAD(mh[h] + VW * j));
+                        const int64_t t = t0 + tl + i;
+                        read64(key, cosv + t * d, sinv + t * d, qh, M, oh + t, T);
+                    }
+                }
+#endif
+                if (d == 64)
+                    for (; tl + KT <= nt; tl += KT)
+                        prerope64(zg, ch, ng, tl, wh[h], mh[h], cosv + (t0 + tl) * d, sinv + (t0 + tl) * d, qh, M,
+                                  oh + t0 + tl, T);
+                for (; tl < nt; tl++) {
+                    const int64_t t = t0 + tl;
+                    prerope_any(zg, ch, ng, tl, wh[h], mh[h], cosv + t * d, sinv + t * d, qh, M, oh + t, T, d);
+                }
+            }
+        }
+#ifdef HAVE_AMX
+        if (amx) _tile_release();
+#endif
+    }
+#ifdef HAVE_AMX
+    free(bts);
+#endif
+    free(wbuf);
     return 0;
 }

@@ -8,9 +8,10 @@ faster to attend than the full one it replaces. It is compiled on first use with
 AVX2, on other devices or with KVSUM_NATIVE=0, the PyTorch path runs instead (same numbers up to float
 summation order). TurboQuant's rotated path (summary's code cover included) and KIVI read their codes
 through it (`score` / `mix` and `score_groups` / `mix_runs`), and pca keys coded before RoPE on the CPU
-(`score_prerope`: each key rebuilt from its axes and turned to its position in registers). On CUDA tensors the
-other calls run the Triton kernels of kvsum/kernels/ instead (where triton is installed; KVSUM_NATIVE=0 turns
-them off too).
+(`score_prerope`: each key rebuilt from its axes and turned to its position in registers, 16 keys at a time on
+AMX tiles where the CPU has them and the OS grants them, to about 16 bits of each product; KVSUM_AMX=0 keeps it
+on AVX). On CUDA tensors the other calls run the Triton kernels of kvsum/kernels/ instead (where triton is
+installed; KVSUM_NATIVE=0 turns them off too).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import subprocess
 import sysconfig
@@ -82,10 +84,13 @@ def library() -> ctypes.CDLL | None:
     lib.kv_mix_coded.argtypes = [*head, vp, vp, ctypes.c_int]
     lib.kv_score_groups.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, ctypes.c_int]
     lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, vp, vp, ctypes.c_int]
-    lib.kv_score_prerope.argtypes = [ctypes.c_int, ptrs, ctypes.POINTER(i64), ctypes.POINTER(ctypes.c_int), ptrs,
-                                     vp, vp, vp, vp, i64, i64, vp, i64, vp, ctypes.c_int]
-    for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs, lib.kv_score_prerope):
+    lib.kv_score_prerope.argtypes = [ctypes.c_int, vp, ptrs, vp, vp, ptrs, ptrs, ptrs, ptrs, ptrs, vp, vp, vp, i64,
+                                     i64, vp, i64, vp, ctypes.c_int]
+    lib.kv_amx_allow.argtypes = [ctypes.c_int]
+    for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs, lib.kv_score_prerope,
+               lib.kv_amx_allow):
         fn.restype = ctypes.c_int
+    lib.kv_amx_allow(int(os.environ.get("KVSUM_AMX", "1") != "0"))
     return lib
 
 
@@ -207,19 +212,35 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
     return out
 
 
-def score_prerope(groups: list, w: Tensor, mean: Tensor, cos: Tensor, sin: Tensor, q: Tensor) -> Tensor:
-    """One head's pca keys coded before RoPE (pca.KeyTransform), each rebuilt and turned in registers: `groups`
-    as (Packed codes (T, c), levels (2**bits,)), w (r, d) the groups' axes times their deviations, rows in group
-    order, mean (d,), cos / sin (T, d) at the keys' positions, queries q (M, d) -> (M, T)."""
-    n = len(groups)
+def amx(allow: bool | None = None) -> bool:
+    """Whether score_prerope rebuilds keys on AMX tiles (where the CPU has AMX-BF16 and the OS grants it), after
+    allowing it or not (None: as KVSUM_AMX says; the tests run both paths)."""
+    if allow is None:
+        allow = os.environ.get("KVSUM_AMX", "1") != "0"
+    return bool(library().kv_amx_allow(int(allow)))
+
+
+def score_prerope(heads: list, cos: Tensor, sin: Tensor, q: Tensor) -> Tensor:
+    """One layer's pca keys coded before RoPE (pca.KeyTransform), each rebuilt and turned in registers: `heads` as
+    the held tensors of each head (fp16 axes (d, r), deviations (r,), widths (r,) uint8, mean (d,); its width groups
+    in increasing width as (Packed codes (T, c), levels (2**bits,))), cos / sin (T, d) at the keys' positions,
+    queries q (H, M, d) -> (H, M, T)."""
+    groups = [g for hd in heads for g in hd["groups"]]
+    gs = torch.tensor([0, *itertools.accumulate(len(hd["groups"]) for hd in heads)], dtype=torch.int32)
     levels = [lv.float().contiguous() for _, lv in groups]
-    args = ((ctypes.c_void_p * n)(*[p.data.data_ptr() for p, _ in groups]),
-            (ctypes.c_int64 * n)(*[p.shape[1] for p, _ in groups]),
-            (ctypes.c_int * n)(*[p.bits for p, _ in groups]),
-            (ctypes.c_void_p * n)(*[lv.data_ptr() for lv in levels]))
-    w, mean, cos, sin, q = (t.float().contiguous() for t in (w, mean, cos, sin, q))
+    held = [[hd[k].to(dt).contiguous() for hd in heads]
+            for k, dt in (("axes", torch.float16), ("std", torch.float16), ("widths", torch.uint8),
+                          ("mean", torch.float16))]
+    arr = ctypes.c_void_p * len(heads)
+    c = torch.tensor([p.shape[1] for p, _ in groups], dtype=torch.int64)
+    bits = torch.tensor([p.bits for p, _ in groups], dtype=torch.int32)
+    r = torch.tensor([hd["axes"].shape[1] for hd in heads], dtype=torch.int64)
+    cos, sin, q = (t.float().contiguous() for t in (cos, sin, q))
     T, d = cos.shape
-    out = q.new_empty(q.shape[0], T)
-    _check(library().kv_score_prerope(n, *args, w.data_ptr(), mean.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, d,
-                                      q.data_ptr(), q.shape[0], out.data_ptr(), _threads(T)))
+    out = q.new_empty(q.shape[0], q.shape[1], T)
+    _check(library().kv_score_prerope(
+        len(heads), gs.data_ptr(), (ctypes.c_void_p * len(groups))(*[p.data.data_ptr() for p, _ in groups]),
+        c.data_ptr(), bits.data_ptr(), (ctypes.c_void_p * len(groups))(*[lv.data_ptr() for lv in levels]),
+        *[arr(*[t.data_ptr() for t in ts]) for ts in held], r.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, d,
+        q.data_ptr(), q.shape[1], out.data_ptr(), _threads(T)))
     return out

@@ -20,7 +20,7 @@ import torch
 from scipy import stats
 from torch import Tensor
 
-from ...rope import rotate, rotate_half, shared_tables, unrotate
+from ...rope import RopeFrame, rotate, rotate_half
 from ...state import tensor_bytes
 from . import native
 from .codebook import encode, lloyd
@@ -83,48 +83,6 @@ def fit_widths(weight: Tensor, budget_bytes: int, T: int, d: int) -> Tensor:
         if over <= 0 or bits == 0:
             return b
         bits = max(0, bits - max(1, -(-8 * over // max(T, 1))))
-
-
-class RopeFrame:
-    """Positions of a layer's coded keys, for coding them before RoPE: the prompt's `n` keys from `start`, then
-    decoded keys from `resume` (the prompt's length: the positions the model gives them). The tables are
-    recomputed from the model's own `rope` (kvsum.rope.layer_rope), not held."""
-
-    def __init__(self, rope: dict, start: int, n: int, resume: int):
-        self.rope, self.start, self.n, self.resume = rope, start, n, resume
-
-    def positions(self, first: int, n: int) -> Tensor:
-        """Positions of held keys first..first + n - 1 (the prompt's run, then the decoded one)."""
-        i = torch.arange(first, first + n)
-        return torch.where(i < self.n, self.start + i, self.resume + i - self.n)
-
-    def tables(self, first: int, n: int, device) -> tuple[Tensor, Tensor]:
-        """cos, sin (n, d) at the positions of held keys first..first + n - 1: a slice of the shared tables where
-        the decoded run follows the prompt's (every position is then start + index), else their rows gathered."""
-        if self.resume == self.start + self.n:
-            a = self.start + first
-            cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], a + n, device)
-            return cos[a:], sin[a:]
-        return self._at(self.positions(first, n), device)
-
-    def _at(self, pos: Tensor, device) -> tuple[Tensor, Tensor]:
-        pos = pos.to(device)
-        cos, sin = shared_tables(self.rope["inv_freq"], self.rope["scaling"], int(pos.max()) + 1, device)
-        return cos[pos], sin[pos]
-
-    def undo(self, keys: Tensor, first: int) -> Tensor:
-        """Post-RoPE keys (H, n, d), held from index `first`, turned back to before RoPE."""
-        return unrotate(keys, *self.tables(first, keys.shape[1], keys.device))
-
-    def apply(self, keys: Tensor) -> Tensor:
-        """Pre-RoPE keys (H, T, d), all that is held, turned to their positions."""
-        return rotate(keys, *self.tables(0, keys.shape[1], keys.device))
-
-    def queries(self, q: Tensor, n_pos: int = 64) -> Tensor:
-        """Reference queries (H, M, d) as pre-RoPE keys at `n_pos` prompt positions see them: (H, M * n_pos, d)."""
-        pos = self.positions(0, self.n)[torch.linspace(0, self.n - 1, min(n_pos, self.n)).long().unique()]
-        cos, sin = self._at(pos, q.device)
-        return unrotate(q[:, :, None, :], cos, sin).flatten(1, 2)
 
 
 class KeyTransform:
@@ -242,13 +200,10 @@ class KeyTransform:
 
     def _native_scores(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """`scores` of keys coded before RoPE through the packed-code kernel (native.score_prerope): each key rebuilt
-        and turned in registers, no (T, d) tensor written; the exact outliers' logits after, turned the same way."""
-        out = []
-        for h, hd in enumerate(self.heads):
-            w = torch.cat(self._weights(hd) or [hd["mean"].new_zeros(0, self.d, dtype=torch.float32)])
-            groups = [(codes, levels) for _, _, levels, codes in hd["groups"]]
-            out.append(native.score_prerope(groups, w, hd["mean"].float(), cos, sin, q[0, h]))
-        return self._with_exact(torch.stack(out), q, cos, sin)
+        and turned in registers from the held fp16 tensors, no (T, d) tensor written; the exact outliers' logits
+        after, turned the same way."""
+        heads = [dict(hd, groups=[(codes, levels) for _, _, levels, codes in hd["groups"]]) for hd in self.heads]
+        return self._with_exact(native.score_prerope(heads, cos, sin, q[0]), q, cos, sin)
 
     def _with_exact(self, out: Tensor, q: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """Scores (H, M, T) with the exact outliers' logits in place (their keys turned by the tables, if given)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
+from ...rope import RopeFrame
 from ...state import ConcatState
 from ..base import LayerInput, Plan
 from ..quantizer import KeyShiftPlan, Quantizer, key_shifts
@@ -27,7 +28,7 @@ from ..refusal import budget_hint
 from ..registry import register
 from .codes import coded_nbytes
 from .packing import packed_nbytes, pick_bits
-from .pca import KeyTransform, RopeFrame
+from .pca import KeyTransform
 from .rotation import ROTATIONS, Rotation, gaussian, hadamard_fits
 from .state import TurboQuantState
 from .stream import QuantStream

@@ -23,19 +23,20 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
-from ...rope import rope_tables, rotate, unrotate
+from ...rope import RopeFrame, rope_tables, rotate, unrotate
 from ...state import tensor_bytes
 from ..quantizer import Quantizer
 from .fit import lowrank_factors
 
 
 def check_cover(cover) -> None:
-    """A code cover is a quantizer of every non-anchor token: no exact tokens or positions of its own."""
+    """A code cover is a quantizer of every non-anchor token: no exact tokens of its own. It codes the prompt's
+    tokens after the sinks in position order, so codes tied to positions (pre_rope) are served."""
     if cover is None:
         return
     if not isinstance(cover, Quantizer):
         raise KVSumError(f"summary: cover must be a quantizer (e.g. TurboQuant(bits=3.5)), got {cover!r}")
-    knobs = cover.exact_set() + [k for k in [cover.position_knob()] if k]
+    knobs = cover.exact_set()
     if knobs:
         raise KVSumError(f"summary: the cover codes every token but the anchors (summary's sinks and window "
                          f"decide what stays exact, in position order); drop the cover's {', '.join(knobs)}")
@@ -162,9 +163,14 @@ def make_cover(x, quant: Quantizer | None, shift: int, sinks: int, cover_share: 
     bytes, `key_share` of its rank to keys."""
     if quant is not None:
         bits, s = quant.fixed_bits(), min(sinks, x.T)
-        q = quant.basis_queries(x)
+        q, at = quant.basis_queries(x), {}
+        if quant.position_knob():  # codes before RoPE: tokens s..T-1 at their positions
+            if x.rope is None:
+                raise KVSumError(f"summary: the cover's {quant.position_knob()} needs the model's RoPE in the Llama "
+                                 "form (rotary_emb with inv_freq); this model's is not")
+            at = {"frame": RopeFrame(x.rope, s, x.T - s, x.T)}
         return (lambda ex: MaskedState(quant.build(x.keys[:, s:], x.values[:, s:], bits, layer_idx=x.layer_idx,
-                                                   shift=shift, storage=x.storage, queries=q), ex[:, s:]),
+                                                   shift=shift, storage=x.storage, queries=q, **at), ex[:, s:]),
                 quant.charged_nbytes(x.H, x.T - s, x.d, bits, shift=shift, storage=x.storage))
     if cover_share > 0:
         n, elem = x.H * x.d, x.storage.itemsize

@@ -128,17 +128,42 @@ def test_pca_cover_codes_keys_on_the_queries_axes_without_a_layer_shift(tiny, id
     assert cache.nbytes() <= random.nbytes()
 
 
+def test_pre_rope_cover_codes_the_tokens_after_the_sinks_at_their_positions(tiny, ids):
+    """A pca cover coded before RoPE un-rotates the tokens after the sinks by their own positions (the frame starts
+    at the sinks), so its keys read back close to the model's, far closer than with the frame's start dropped; it
+    holds the budget, and a cache over it generates."""
+    cover = TurboQuant(bits=3.5, key_basis="pca", pre_rope=True, unbiased="values", skew=0)
+    cache = kvsum.compress(tiny, ids, method="summary", budget=0.3, cover=cover)
+    full = kvsum.prefill(tiny, ids).cache.layers
+    for layer, ref in zip(cache.layers, full):
+        inner = layer.state.parts[1].inner
+        k, s = ref.keys[0].float(), ids.shape[1] - inner.T
+        assert inner.k.frame.start == s > 0 and inner.k.frame.resume == ids.shape[1]
+        err = (inner.keys() - k[:, s:]).norm() / k[:, s:].norm()
+        assert err < 0.2
+        inner.k.frame.start = 0  # the same codes turned from position 0: the keys come out wrong
+        assert (inner.keys() - k[:, s:]).norm() / k[:, s:].norm() > 2 * err
+    assert cache.nbytes() <= 0.3 * sum(2 * ref.keys.numel() * 2 for ref in full)  # the budget, in 16-bit bytes
+    out = tiny.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4
+    H, T, d = 1, 256, 64  # a layer whose RoPE kvsum cannot read: refused, naming the knob
+    x = LayerInput(*(torch.randn(*shape) for shape in ((H, T, d), (H, T, d), (4, 32, d))), torch.arange(T - 32, T),
+                   d ** -0.5, 0, 1, 0.3 * 2 * H * T * d * 2, torch.float16)
+    with pytest.raises(kvsum.KVSumError, match="cover's pre_rope needs the model's RoPE"):
+        make_method("summary", cover=cover, score="max").compress(x)
+
+
 def test_the_cover_is_a_quantizer_that_checks_its_own_knobs():
     """The cover takes any quantizer config (or its spec string); the quantizer refuses its own bad knobs, and
-    the cover refuses the knobs it cannot honour (exact tokens: summary's anchors decide; positions)."""
+    the cover refuses the knobs it cannot honour (exact tokens: summary's anchors decide)."""
     with pytest.raises(kvsum.KVSumError, match="key_basis='hadamard'; accepted: random, pca"):
         make_method("summary", cover=TurboQuant(bits=2, key_basis="hadamard"))
     with pytest.raises(kvsum.KVSumError, match="rotation='pca'; accepted: qr, hadamard"):
         make_method("summary", cover=TurboQuant(bits=2, rotation="pca"))
     assert make_method("summary", cover="turboquant(bits=3.5, center=True)") == make_method(
         "summary", cover=TurboQuant(bits=3.5, center=True))
-    for knobs in (dict(sinks=8), dict(window=16), dict(key_basis="pca", pre_rope=True)):
-        with pytest.raises(kvsum.KVSumError, match="drop the cover's (sinks|window|pre_rope)"):
+    for knobs in (dict(sinks=8), dict(window=16)):
+        with pytest.raises(kvsum.KVSumError, match="drop the cover's (sinks|window)"):
             make_method("summary", cover=TurboQuant(bits=2, **knobs))
     with pytest.raises(kvsum.KVSumError, match="cover must be a"):
         make_method("summary", cover=make_method("snapkv"))
