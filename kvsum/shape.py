@@ -24,6 +24,7 @@ class ModelShape:
         max_len: the model's context window (max_position_embeddings).
         scales: attention scale of every layer.
         windows: sliding window of every layer, None for global layers (all None when not given).
+        key_bias: the key projection adds a bias (Qwen2): a constant key before RoPE, which turns with the position.
     """
 
     n_layers: int
@@ -32,6 +33,7 @@ class ModelShape:
     max_len: int
     scales: list[float]
     windows: list[int | None] = None
+    key_bias: bool = False
 
     def __post_init__(self):
         self.windows = self.windows or [None] * self.n_layers
@@ -70,9 +72,10 @@ class ModelShape:
                 raise KVSumError(f"unsupported architecture {cfg.model_type!r}: layer {i} is {kind!r}; "
                                  "accepted layer types: 'full_attention', 'sliding_attention'")
             windows.append(kw.get("sliding_window") if kind == "sliding_attention" else None)
+        key_bias = any(getattr(getattr(m, "k_proj", None), "bias", None) is not None for m in attn.values())
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                    getattr(cfg, "max_position_embeddings", 1 << 30),
-                   [float(attn[i].scaling) for i in range(cfg.num_hidden_layers)], windows)
+                   [float(attn[i].scaling) for i in range(cfg.num_hidden_layers)], windows, key_bias)
 
 
 # model -> (stamp of the hashed weights, fingerprint); weak keys: the entry goes with the model

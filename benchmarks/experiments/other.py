@@ -189,6 +189,15 @@ EXPERIMENTS = [
                "on Qwen pay on SmolLM2 at 2k", lengths=(2048,), n=50, threads=2,
                methods=("summary", spec("summary", cover=PRE_ROPE_COVER, score="surprisal")),
                args=("--n-lm", "8", "--budgets", "0.25", "--seed", "1000")),
+    Experiment("frontier_cover_pre_rope_qwen_dev", "frontier", "frontier", "lm KL at 0.25 on Qwen2.5-Coder at 2k, "
+               "dev seeds: the flagship's rotated cover beside the same cover holding pca keys coded before RoPE "
+               "(Qwen's k_proj bias turns with the position)", lengths=(2048,), n=0, threads=2,
+               methods=("summary", spec("summary", cover=PRE_ROPE_COVER, score="surprisal")),
+               args=("--model", "qwen2.5-coder-0.5b", "--n-lm", "8", "--budgets", "0.25", "--seed", "1000")),
+    Experiment("frontier_cover_pre_rope_qwen", "frontier", "frontier", "the same on test seeds (the rule takes the "
+               "cover coded before RoPE where the key projection has a bias)", lengths=(2048,), n=0, threads=2,
+               methods=("summary", spec("summary", cover=PRE_ROPE_COVER, score="surprisal")),
+               args=("--model", "qwen2.5-coder-0.5b", "--n-lm", "8", "--budgets", "0.25", "--seed", "0")),
     Experiment("frontier_lm32", "frontier", "frontier", "lm KL alone on 32 test windows (frontier_flagship's 8 "
                "first) at 0.25 / 0.10 / 0.05: the flagship beside SnapKV's selection as codes and TurboQuant, where "
                "8 windows separate them by less than one window's spread", lengths=(2048,), n=0, threads=1,

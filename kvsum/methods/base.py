@@ -114,10 +114,11 @@ class Method:
         """Extra signals this method needs from kvsum.prefill (e.g. {"repeat": True})."""
         return {}
 
-    def choices(self, budget: float, tokens: int, sentences: bool) -> list[Choice]:
+    def choices(self, budget: float, tokens: int, sentences: bool, key_bias: bool = False) -> list[Choice]:
         """The configurations this method stands for at `budget` on a `tokens`-token prompt (`sentences`: the
-        prefill marks sentence ends), best first; kvsum.compress takes the first that fits. A configured
-        method stands for itself; `summary` with no knobs is configured by budget (summary/default.py)."""
+        prefill marks sentence ends; `key_bias`: the model's key projection has a bias, ModelShape.key_bias), best
+        first; kvsum.compress takes the first that fits. A configured method stands for itself; `summary` with no
+        knobs is configured by budget (summary/default.py)."""
         return [Choice(self, self.name, {}, "")]
 
     def stream(self, layer_idx: int, state: LayerState):

@@ -35,6 +35,7 @@ from ...models import cache_dir
 
 SOURCE = Path(__file__).with_name("codes.c")
 MAX_ROWS = 16  # query rows per KV head beyond which a matmul over looked-up levels is faster
+MAX_HEADS = 64  # KV heads a layer score_prerope serves in one call (codes.c MAX_HEADS)
 MAX_PARTS = 8  # codes.c's limit on channel parts per side
 
 

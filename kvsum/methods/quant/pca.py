@@ -185,7 +185,8 @@ class KeyTransform:
         two halves being equal, so no turned key is built."""
         if self.frame is not None:
             cos, sin = self.frame.tables(0, self.T, q.device)
-            if q.device.type == "cpu" and q.shape[2] <= native.MAX_ROWS and native.library() is not None:
+            if (q.device.type == "cpu" and q.shape[2] <= native.MAX_ROWS and self.H <= native.MAX_HEADS
+                    and native.library() is not None):
                 return self._native_scores(q, cos, sin)
             k = self._coded_keys()
             s = torch.bmm(q[0], (k * cos).transpose(1, 2))

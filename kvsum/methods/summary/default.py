@@ -6,7 +6,10 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
 (docs/results/flagship.md):
   1. b >= COVER_FROM: exact anchors by token surprisal over a 3.5-bit centered TurboQuant cover of every other
      token (at 0.25 little more than the sinks and the recent window are exact): the codes keep every token
-     approximately present, where a selection at a quarter of the bytes loses retrieval;
+     approximately present, where a selection at a quarter of the bytes loses retrieval; where the model's key
+     projection has a bias (Qwen2), the cover's keys are coded before RoPE on PCA axes instead (COVER_PRE_ROPE):
+     the bias is a constant key before RoPE that turns with the position, so codes after RoPE spend their
+     precision on it and the continuation drifts; without a bias the rotated codes read it closer;
   2. below, where 3.5-bit codes of every token no longer fit: summary's selection stored as TurboQuant codes
      (`summary+turboquant`), anchors chosen as whole sentences (a fact is a sentence, not its sharpest token)
      ranked by their peak surprisal for their length (a short fact with one surprising word before a long
@@ -41,6 +44,10 @@ COVER_FROM = 0.25
 TWO_BITS_BELOW = 80  # 16-bit tokens' worth a head, between those measured (61: 2 bits better; 102 and 123: 3)
 COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
          "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
+PRE_ROPE = Spec("turboquant", {"bits": 3.5, "key_basis": "pca", "pre_rope": True, "unbiased": "values", "skew": 0})
+COVER_PRE_ROPE = ("summary", {"cover": PRE_ROPE, "score": "surprisal"},
+                  "anchors by surprisal over a 3.5-bit TurboQuant cover, its keys coded before RoPE on PCA axes (the "
+                  "model's key projection has a bias, which turns with the position)")
 CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
@@ -55,10 +62,10 @@ CODES = ("summary+turboquant", dict(CODED),
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
 
 
-def rows(budget: float, tokens: int, sentences: bool) -> list[tuple[str, dict, str]]:
+def rows(budget: float, tokens: int, sentences: bool, key_bias: bool = False) -> list[tuple[str, dict, str]]:
     """(method, knobs, why) in the rule's order at `budget` of a `tokens`-token prompt (`sentences`: the prefill
-    marks sentence ends)."""
-    top = [COVER] if budget >= COVER_FROM else []
+    marks sentence ends; `key_bias`: the model's key projection has a bias)."""
+    top = ([COVER_PRE_ROPE, COVER] if key_bias else [COVER]) if budget >= COVER_FROM else []
     held = budget * tokens  # 16-bit tokens' worth of bytes a head
     two = held < TWO_BITS_BELOW
     codes = [SENTENCES if two else SENTENCES_LOCAL] if sentences else []
@@ -69,12 +76,12 @@ def rows(budget: float, tokens: int, sentences: bool) -> list[tuple[str, dict, s
     return [*top, *codes, PLAIN]
 
 
-def choices(budget: float, tokens: int, sentences: bool) -> list[Choice]:
+def choices(budget: float, tokens: int, sentences: bool, key_bias: bool = False) -> list[Choice]:
     """The rule's configurations at `budget` of a `tokens`-token prompt, built, best first (kvsum.compress takes
     the first that fits)."""
     where = f"summary configured by budget ({budget:g} {'>=' if budget >= COVER_FROM else '<'} {COVER_FROM})"
     out = []
-    for name, knobs, why in rows(budget, tokens, sentences):
+    for name, knobs, why in rows(budget, tokens, sentences, key_bias):
         why += " (no tokenizer to find sentences)" if not sentences and name == CODES[0] else ""
         out.append(Choice(make_method(name, **knobs), name, dict(knobs), f"{where}: {why}"))
     return out

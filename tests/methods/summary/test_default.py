@@ -6,7 +6,7 @@ import torch
 import kvsum
 from kvsum.methods import make_method, prefill_needs
 from kvsum.methods.summary import default
-from tests.helpers import SentenceTokenizer, random_ids, tiny_llama
+from tests.helpers import SentenceTokenizer, random_ids, tiny_llama, tiny_qwen2
 
 QUERY = torch.tensor([[5, 6, 7, 8]])
 
@@ -59,6 +59,31 @@ def test_bare_summary_is_the_configuration_the_rule_picks_bit_for_bit(budget, se
     assert not hasattr(same, "decision")  # a configured method stands for itself
     assert cache.nbytes() == same.nbytes() <= budget * cache.reference_nbytes * 1.02
     assert torch.equal(_logits(model, cache, 600), _logits(model, same, 600))
+
+
+def test_a_model_whose_keys_have_a_bias_gets_the_cover_coded_before_rope():
+    """Where the key projection has a bias (Qwen2; ModelShape.key_bias), the cover's keys are coded before RoPE,
+    the rotated cover next (a RoPE kvsum cannot read); below the cover's budgets and on Llama nothing changes.
+    Bare summary on a random Qwen2 picks it, bit for bit the configuration asked for by name, and on that model
+    (keys less a large bias, turned with the position) it reads the continuation closer than the rotated cover."""
+    from kvsum.shape import ModelShape
+    assert [c.knobs for c in default.choices(0.25, 2048, True, key_bias=True)][:2] == [
+        {"cover": default.PRE_ROPE, "score": "surprisal"}, default.COVER[1]]
+    assert [c.knobs for c in default.choices(0.25, 2048, True)][0] == default.COVER[1]
+    assert ([c.knobs for c in default.choices(0.1, 2048, True, key_bias=True)]
+            == [c.knobs for c in default.choices(0.1, 2048, True)])
+    model, ids = tiny_qwen2(), random_ids(1200, 7)
+    assert ModelShape.of(model).key_bias and not ModelShape.of(tiny_llama()).key_bias
+    cache = kvsum.compress(model, ids, method="summary", budget=0.3)
+    assert cache.decision.knobs == {"cover": default.PRE_ROPE, "score": "surprisal"}
+    assert "before RoPE" in cache.decision.reason
+    same = kvsum.compress(model, ids, method="summary", budget=0.3, **cache.decision.knobs)
+    rotated = kvsum.compress(model, ids, method="summary", budget=0.3, **default.COVER[1])
+    full = kvsum.compress(model, ids, method="full", budget=1.0)
+    ref = _logits(model, full, 1200)
+    assert torch.equal(_logits(model, cache, 1200), _logits(model, same, 1200))
+    err = [(_logits(model, c, 1200) - ref).abs().max() for c in (cache, rotated)]
+    assert err[0] < err[1]
 
 
 def test_any_knob_or_by_budget_false_gives_summary_as_configured():
