@@ -355,10 +355,10 @@ int kv_mix_runs(const uint8_t *data, int64_t T, int64_t H, int64_t d, int64_t ch
     return 0;
 }
 
-/* kv_score_prerope's token at head dim 64 (the bundled models'), all in registers: the key rebuilt from its decoded
+/* kv_score_prerope's tokens at head dim 64 (the bundled models'), all in registers: each key rebuilt from its decoded
    codes (z[g][tl * c[g] + u]), turned by its position's cos / sin row and read by the M query rows into
    out[m * T]. The tables' two halves are equal (Llama-style RoPE), so only the first is read: half the traffic.
-   With AVX-512 the key is four registers, else eight. */
+   With AVX-512 a key is four registers and KT = 4 keys are rebuilt at once, else one key in eight. */
 #ifdef __AVX512F__
 #define VW 16
 #define KT 4  /* keys rebuilt at once: four FMA chains a register hide each other's latency */
