@@ -95,6 +95,11 @@ class Quantizer(Method):
         """The reference queries `build` weights its codes by, (H, M, d), or None if it reads none."""
         return None
 
+    def placed(self, x: LayerInput, first: int, last: int) -> dict:
+        """The `build` keywords that give codes tied to positions (position_knobs) those of layer x's tokens
+        first .. T - last - 1; none for codes that need no positions."""
+        return {}
+
     def plan(self, inputs: list[LayerInput], budget: float) -> KeyShiftPlan:
         """Equal bytes per layer; the layers ranked by attention entropy where key bits move between them."""
         shifts = {}

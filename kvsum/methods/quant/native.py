@@ -91,8 +91,12 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.kv_score_coded, lib.kv_mix_coded, lib.kv_score_groups, lib.kv_mix_runs, lib.kv_score_prerope,
                lib.kv_amx_allow):
         fn.restype = ctypes.c_int
-    lib.kv_amx_allow(int(os.environ.get("KVSUM_AMX", "1") != "0"))
+    lib.kv_amx_allow(_amx_env())
     return lib
+
+
+def _amx_env() -> bool:
+    return os.environ.get("KVSUM_AMX", "1") != "0"
 
 
 def serves(rows: int, *codes) -> bool:
@@ -216,17 +220,15 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
 def amx(allow: bool | None = None) -> bool:
     """Whether score_prerope rebuilds keys on AMX tiles (where the CPU has AMX-BF16 and the OS grants it), after
     allowing it or not (None: as KVSUM_AMX says; the tests run both paths)."""
-    if allow is None:
-        allow = os.environ.get("KVSUM_AMX", "1") != "0"
-    return bool(library().kv_amx_allow(int(allow)))
+    return bool(library().kv_amx_allow(int(_amx_env() if allow is None else allow)))
 
 
 def score_prerope(heads: list, cos: Tensor, sin: Tensor, q: Tensor) -> Tensor:
     """One layer's pca keys coded before RoPE (pca.KeyTransform), each rebuilt and turned in registers: `heads` as
-    the held tensors of each head (fp16 axes (d, r), deviations (r,), widths (r,) uint8, mean (d,); its width groups
-    in increasing width as (Packed codes (T, c), levels (2**bits,))), cos / sin (T, d) at the keys' positions,
-    queries q (H, M, d) -> (H, M, T)."""
-    groups = [g for hd in heads for g in hd["groups"]]
+    pca.KeyTransform's heads (fp16 axes (d, r), deviations (r,), widths (r,) uint8, mean (d,); its width groups in
+    increasing width as (columns, bits, levels (2**bits,), Packed codes (T, c))), cos / sin (T, d) at the keys'
+    positions, queries q (H, M, d) -> (H, M, T)."""
+    groups = [(codes, levels) for hd in heads for _, _, levels, codes in hd["groups"]]
     gs = torch.tensor([0, *itertools.accumulate(len(hd["groups"]) for hd in heads)], dtype=torch.int32)
     levels = [lv.float().contiguous() for _, lv in groups]
     held = [[hd[k].to(dt).contiguous() for hd in heads]

@@ -203,8 +203,7 @@ class KeyTransform:
         """`scores` of keys coded before RoPE through the packed-code kernel (native.score_prerope): each key rebuilt
         and turned in registers from the held fp16 tensors, no (T, d) tensor written; the exact outliers' logits
         after, turned the same way."""
-        heads = [dict(hd, groups=[(codes, levels) for _, _, levels, codes in hd["groups"]]) for hd in self.heads]
-        return self._with_exact(native.score_prerope(heads, cos, sin, q[0]), q, cos, sin)
+        return self._with_exact(native.score_prerope(self.heads, cos, sin, q[0]), q, cos, sin)
 
     def _with_exact(self, out: Tensor, q: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """Scores (H, M, T) with the exact outliers' logits in place (their keys turned by the tables, if given)

@@ -143,6 +143,15 @@ class TurboQuant(Quantizer):
         """Each KV head's reference queries (H, n * G, d), which key_basis="pca" weights its axes by."""
         return x.queries.reshape(x.H, -1, x.d) if self.key_basis == "pca" and x.queries is not None else None
 
+    def placed(self, x: LayerInput, first: int, last: int) -> dict:
+        """With pre_rope, the frame of the coded tokens' positions (decoded keys: from the prompt's length on)."""
+        if not self.pre_rope:
+            return {}
+        if x.rope is None:
+            raise KVSumError("turboquant: pre_rope un-rotates keys by the model's RoPE, which kvsum reads only "
+                             "in the Llama form (rotary_emb with inv_freq); this model's is not; drop pre_rope")
+        return {"frame": RopeFrame(x.rope, first, x.T - first - last, x.T)}
+
     # widths and bytes
 
     def _key_bits(self, bits: float) -> float:
@@ -233,14 +242,8 @@ class TurboQuant(Quantizer):
         bits = pick_bits(name, quant.bits, quant.supported(),
                          lambda b: quant.charged_nbytes(x.H, n_q, x.d, b, shift=shift) + exact, x.budget_bytes, full,
                          quant._rotation_hint(x.d, full, self.lighter(x.d) is not None), ceiling=ceiling)
-        q, frame = quant.basis_queries(x), None
-        if quant.pre_rope:
-            if x.rope is None:
-                raise KVSumError("turboquant: pre_rope un-rotates keys by the model's RoPE, which kvsum reads only "
-                                 "in the Llama form (rotary_emb with inv_freq); this model's is not; drop pre_rope")
-            frame = RopeFrame(x.rope, first, x.T - first - last, x.T)  # decoded keys: from the prompt's length on
         coded = quant.build(x.keys[:, first:x.T - last], x.values[:, first:x.T - last], bits, layer_idx=x.layer_idx,
-                            shift=shift, queries=q, frame=frame, note=note)
+                            shift=shift, queries=quant.basis_queries(x), note=note, **quant.placed(x, first, last))
         if not first + last:
             return coded
         exact = [x.keep([torch.arange(a, b, device=x.keys.device)] * x.H) if b > a else None

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ...errors import KVSumError
-from ...rope import RopeFrame, rope_tables, rotate, unrotate
+from ...rope import rope_tables, rotate, unrotate
 from ...state import tensor_bytes
 from ..quantizer import Quantizer
 from .fit import lowrank_factors
@@ -163,12 +163,7 @@ def make_cover(x, quant: Quantizer | None, shift: int, sinks: int, cover_share: 
     bytes, `key_share` of its rank to keys."""
     if quant is not None:
         bits, s = quant.fixed_bits(), min(sinks, x.T)
-        q, at = quant.basis_queries(x), {}
-        if quant.position_knob():  # codes before RoPE: tokens s..T-1 at their positions
-            if x.rope is None:
-                raise KVSumError(f"summary: the cover's {quant.position_knob()} needs the model's RoPE in the Llama "
-                                 "form (rotary_emb with inv_freq); this model's is not")
-            at = {"frame": RopeFrame(x.rope, s, x.T - s, x.T)}
+        q, at = quant.basis_queries(x), quant.placed(x, s, 0)  # tokens s..T-1, at their positions where it matters
         return (lambda ex: MaskedState(quant.build(x.keys[:, s:], x.values[:, s:], bits, layer_idx=x.layer_idx,
                                                    shift=shift, storage=x.storage, queries=q, **at), ex[:, s:]),
                 quant.charged_nbytes(x.H, x.T - s, x.d, bits, shift=shift, storage=x.storage))

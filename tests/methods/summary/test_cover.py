@@ -149,7 +149,7 @@ def test_pre_rope_cover_codes_the_tokens_after_the_sinks_at_their_positions(tiny
     H, T, d = 1, 256, 64  # a layer whose RoPE kvsum cannot read: refused, naming the knob
     x = LayerInput(*(torch.randn(*shape) for shape in ((H, T, d), (H, T, d), (4, 32, d))), torch.arange(T - 32, T),
                    d ** -0.5, 0, 1, 0.3 * 2 * H * T * d * 2, torch.float16)
-    with pytest.raises(kvsum.KVSumError, match="cover's pre_rope needs the model's RoPE"):
+    with pytest.raises(kvsum.KVSumError, match="pre_rope un-rotates keys by the model's RoPE"):
         make_method("summary", cover=cover, score="max").compress(x)
 
 
