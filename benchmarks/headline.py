@@ -14,6 +14,7 @@ centered keys measured before centering changed are left out (CENTERED_SINCE).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 BUDGETS = (0.5, 0.25, 0.125, 0.1, 0.05)
@@ -45,7 +46,7 @@ def rows_of(root: Path) -> list[dict]:
     out = []
     for path in sorted(root.rglob("*.json")):
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or (data.get("meta") or {}).get("model") != "smollm2":
+        if not isinstance(data, dict) or (data.get("meta") or {}).get("model") != "smollm2" or _dev(data["meta"]):
             continue
         date = data["meta"].get("date") or ""
         for r in data.get("rows") or []:
@@ -55,6 +56,12 @@ def rows_of(root: Path) -> list[dict]:
                 if r.get("refused") is None and (r["task"] == "lm" or r.get("score") is not None):
                     out.append({**r, "knobs": _knobs(r), "source": str(path.relative_to(root))})
     return out
+
+
+def _dev(meta: dict) -> bool:
+    """A run on the dev split (seeds from 1000, where formats and knobs are chosen): never a reported figure."""
+    seed = re.search(r"--seed (\d+)", meta.get("command") or "")
+    return meta.get("split") == "dev" or int(meta.get("seed") or (seed.group(1) if seed else 0)) >= 1000
 
 
 def _stale(r: dict, date: str) -> bool:

@@ -4,9 +4,10 @@ On a CUDA tensor PyTorch has no operation that reads 3-bit codes, so its path ex
 level in global memory at each decoding step. These kernels decode the codes in registers instead:
 `codes.py` (TurboQuant) and `kivi.py` score queries against packed codes and mix values from them, `ragged.py`
 scores and mixes ragged per-head entries with additive biases (summary and eviction states) in one launch per
-layer. They are the GPU counterpart of the CPU kernel (kvsum/methods/quant/native.py, which dispatches to them)
-and serve the same calls with the same numbers (up to float summation order); kvsum/attention.py joins their
-scores with the full-precision tail in one softmax. `flash.py` goes further for TurboQuant's codes at a decoding
+layer, `prerope.py` scores pca keys coded before RoPE, each rebuilt and turned in registers. They are the GPU
+counterpart of the CPU kernel (kvsum/methods/quant/native.py, which dispatches to them) and serve the same calls
+with the same numbers (up to float summation order); kvsum/attention.py joins their scores with the
+full-precision tail in one softmax. `flash.py` goes further for TurboQuant's codes at a decoding
 step: scores, online softmax and value mix in one pass, no logit written to memory; `online.py` joins its partial
 result with the exact sinks, windows and the tail (TurboQuantState.online, ConcatState.online).
 

@@ -84,3 +84,17 @@ def test_centered_rows_measured_before_centering_changed_are_left_out(tmp_path):
     for date, kept in (("2026-12-01T10:00:00+00:00", 1), (CENTERED_SINCE + ":01+00:00", 4)):
         (tmp_path / "r.json").write_text(json.dumps({"meta": {"model": "smollm2", "date": date}, "rows": rows}))
         assert len(rows_of(tmp_path)) == kept
+
+
+def test_dev_split_runs_never_enter_the_table(tmp_path):
+    """Dev seeds (from 1000) choose formats and knobs; the headline reports the test split only."""
+    from benchmarks.headline import rows_of
+
+    row = dict(task="passkey", length=2048, method="turboquant", knobs={}, budget=0.25, n=20, score=90.0,
+               full_score=100.0, ratio=0.25)
+    for meta, kept in (({}, 1), ({"split": "dev"}, 0), ({"seed": 1000}, 0),
+                       ({"command": "python -m benchmarks.frontier --seed 1000"}, 0),
+                       ({"command": "python -m benchmarks.frontier --seed 7"}, 1)):
+        (tmp_path / "r.json").write_text(json.dumps({"meta": {"model": "smollm2", "date": "2026-12-05", **meta},
+                                                     "rows": [row]}))
+        assert len(rows_of(tmp_path)) == kept

@@ -18,7 +18,8 @@ import torch
 import kvsum.kernels
 
 ON_CUDA = os.environ.get("KVSUM_KERNEL_TESTS") == "cuda" and torch.cuda.is_available()
-MODULES = ("kvsum.kernels.codes", "kvsum.kernels.flash", "kvsum.kernels.kivi", "kvsum.kernels.ragged")  # imports first
+MODULES = ("kvsum.kernels.codes", "kvsum.kernels.flash", "kvsum.kernels.kivi", "kvsum.kernels.ragged",  # imports first
+           "kvsum.kernels.prerope")
 
 
 def _reload(interpret: bool) -> None:

@@ -35,4 +35,4 @@ def test_helpers():
 
 @pytest.mark.skipif(not kernels.installed(), reason="triton is not installed")
 def test_kernel_modules_import_without_a_gpu():
-    from kvsum.kernels import codes, kivi, ragged  # noqa: F401
+    from kvsum.kernels import codes, kivi, prerope, ragged  # noqa: F401

@@ -445,16 +445,36 @@ static inline void prerope_any(float *const *z, const int64_t *c, int ngroups, i
     }
 }
 
-/* With AMX (Intel's tile matrix unit) a block's keys are rebuilt 16 at a time as one bf16 matrix product, the
-   weights and the decoded levels each split into a bf16 high part and a bf16 rest so that
-   Zh Wh + Zh Wl + Zl Wh keeps about 16 bits of each product (the dropped Zl Wl is 2^-18 of it): A' = [Zh | Zl] (16
-   tokens, 2 rp columns, rp = r rounded up to 32, zero beyond r), B' = [Wh; Wl] (2 rp rows, in the tile unit's
-   pair-interleaved layout), Zh read against both halves of B', Zl against Wh. The operating system must grant the
-   tile state first (kv_amx). */
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+/* With AMX (Intel's tile matrix unit) 16 tokens of a head are scored as two bf16 tile products. Each product
+   splits its float factors into a bf16 high part and a bf16 rest and sums Xh Yh + Xh Yl + Xl Yh (+ Xl Yl), which
+   keeps about 16 bits of each product. (1) Keys less their mean, K = Z W: a width group's codes are decoded 64 at
+   a time straight to the bf16 parts of their levels (each 8-code word spread to a 64-bit lane, its codes cut out
+   to bytes by one multishift, looked up as 16-bit words), and token i's row of a tile is read at i * c of them: a
+   chunk of 32 columns runs into the next token's codes, which meet the zero rows of W's padded chunk. (2) Scores,
+   S = Kr Q^T: each key plus the mean is turned to its position in registers and split into parts, and the product
+   with the head's query rows gives the 16 tokens' scores with no horizontal sums. The operating system must grant
+   the tile state first (kv_amx). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
+#define AMX_BITS 5  /* the widest code decoded 64 at a time: 32 levels' bf16 parts fill one register */
+#define AMX_ROWS 16  /* query rows a head's scores tile holds */
+#define ZLEN(c) ((16 * (c) + 64 + 31) / 32 * 32)  /* a group's 16 tokens' level parts, padded, on whole cache lines */
+
+/* a calling thread's tile memory, on 64-byte lines, kept for its next call (a fresh mapping each call costs page
+   faults) */
+static __thread uint16_t *scratch;
+static __thread size_t scratch_bytes;
+
+static uint16_t *amx_scratch(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
 
 static int amx_granted = -1;
 
@@ -481,78 +501,175 @@ static inline float from_bf16(uint16_t h) {
     return x;
 }
 
+static inline uint16_t bf16_part(float x, int rest) { return rest ? to_bf16(x - from_bf16(to_bf16(x))) : to_bf16(x); }
+
 typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
 
-static void amx_configure(void) {  /* tiles 0-3: a 16 x 64 float block of keys; 4: A' rows; 5: B' tile */
+static void amx_configure(void) {  /* 8 tiles of 16 x 64 bytes: 0-3 keys (floats), 4 A, 5 and 7 B, 6 scores */
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int i = 0; i < 6; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
     _tile_loadconfig(&cfg);
 }
 
-/* B' of a head's w (r, 64) as (2 rp / 32) x 4 tiles of 16 x 32 bf16: tile (ks, n), row kk holds rows 32 ks + 2 kk
-   and + 1 of B' interleaved, columns 16 n .. 16 n + 15. */
-static void amx_weights(const float *w, int64_t r, int64_t rp, uint16_t *bt) {
-    for (int64_t row = 0; row < 2 * rp; row++) {
-        const int64_t part = row / rp, j = row % rp, ks = row / 32, kk = row % 32 / 2, odd = row % 2;
-        for (int64_t col = 0; col < 64; col++) {
-            uint16_t v = 0;
-            if (j < r) {
-                const float x = w[j * 64 + col];
-                const uint16_t hi = to_bf16(x);
-                v = part == 1 ? to_bf16(x - from_bf16(hi)) : hi;
-            }
-            bt[((ks * 4 + col / 16) * 16 + kk) * 32 + col % 16 * 2 + odd] = v;
+/* 16 floats' bf16 high parts (rest = 0) or rests (rest = 1), each in the low half of a 32-bit lane */
+static inline __m512i amx_parts(__m512 v, int rest) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    if (!rest) return _mm512_cvtepu16_epi32(h);
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
+}
+
+/* B tiles (16 x 32 bf16, pair-interleaved: tile row kk holds rows 2 kk and 2 kk + 1 of a chunk, column by column)
+   of n rows (zero from row `valid` on), in chunks of 32 rows: per chunk the high parts then the rests, each as
+   `cols` / 16 column tiles. cols = 64: a group's w (row j at x + 64 j); cols = 16 (transposed): a head's query
+   rows as columns (row j is coordinate j of each query, query m at x + 64 m, zero from query `valid` on). */
+static void amx_tiles(const float *x, int64_t n, int64_t valid, int transposed, uint16_t *b) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(64));
+    const __mmask16 queries = (__mmask16)(valid >= 16 ? 0xffff : (1u << valid) - 1);
+    for (int64_t k = 0; k < (n + 31) / 32; k++)
+        for (int rest = 0; rest < 2; rest++)
+            for (int ct = 0; ct < (transposed ? 1 : 4); ct++)
+                for (int64_t j = 32 * k; j < 32 * k + 32; j += 2, b += 32) {
+                    __m512 even, odd;
+                    if (transposed) {
+                        even = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), queries, rows, x + j, 4);
+                        odd = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), queries, rows, x + j + 1, 4);
+                    } else {
+                        even = j < valid ? _mm512_loadu_ps(x + j * 64 + 16 * ct) : _mm512_setzero_ps();
+                        odd = j + 1 < valid ? _mm512_loadu_ps(x + (j + 1) * 64 + 16 * ct) : _mm512_setzero_ps();
+                    }
+                    _mm512_store_si512(b, _mm512_or_si512(amx_parts(even, rest),
+                                                          _mm512_slli_epi32(amx_parts(odd, rest), 16)));
+                }
+}
+
+typedef struct { uint8_t perm[64], shift[64], mask[64]; uint16_t hi[32], lo[32]; } AmxCodes;
+
+static void amx_codes(const float *levels, int bits, AmxCodes *a) {
+    memset(a, 0, sizeof *a);
+    for (int i = 0; i < 64; i++) {
+        a->perm[i] = (uint8_t)(i % 8 < bits ? i / 8 * bits + i % 8 : 0);  /* word i / 8's bytes to lane i / 8 */
+        a->shift[i] = (uint8_t)(i % 8 * bits);
+        a->mask[i] = (uint8_t)((1 << bits) - 1);
+    }
+    for (int i = 0; i < (bits <= AMX_BITS ? 1 << bits : 0); i++)
+        a->hi[i] = bf16_part(levels[i], 0), a->lo[i] = bf16_part(levels[i], 1);
+}
+
+/* n codes (a multiple of 8, from a word boundary) as the bf16 parts of their levels into zh and zl, 64 at a time;
+   up to 63 entries past n are written */
+static inline void amx_decode(const uint8_t *src, int bits, int64_t n, const AmxCodes *a, const float *levels,
+                              uint16_t *zh, uint16_t *zl) {
+    if (bits > AMX_BITS) {  /* more levels than a register holds: eight at a time as floats, then split */
+        __m256 lv[4];
+        load_levels(levels, bits, lv);
+        for (int64_t e = 0; e < n; e += 8) {
+            const __m256 v = decode8(src + e / 8 * bits, bits, lv, levels);
+            const __m128i h = (__m128i)_mm256_cvtneps_pbh(v);
+            const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            _mm_storeu_si128((__m128i *)(zh + e), h);
+            _mm_storeu_si128((__m128i *)(zl + e), (__m128i)_mm256_cvtneps_pbh(_mm256_sub_ps(v, back)));
         }
+        return;
+    }
+    const __m512i perm = _mm512_loadu_si512(a->perm), shift = _mm512_loadu_si512(a->shift);
+    const __m512i mask = _mm512_loadu_si512(a->mask), hi = _mm512_loadu_si512(a->hi), lo = _mm512_loadu_si512(a->lo);
+    for (int64_t e = 0; e < n; e += 64, src += 8 * bits) {
+        const int64_t words = n - e >= 64 ? 8 : (n - e) / 8;
+        const __m512i raw = _mm512_maskz_loadu_epi8(((__mmask64)1 << (words * bits)) - 1, src);
+        const __m512i idx = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, _mm512_permutexvar_epi8(perm, raw)),
+                                             mask);
+        const __m512i i0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(idx));
+        const __m512i i1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(idx, 1));
+        _mm512_storeu_si512(zh + e, _mm512_permutexvar_epi16(i0, hi));
+        _mm512_storeu_si512(zh + e + 32, _mm512_permutexvar_epi16(i1, hi));
+        _mm512_storeu_si512(zl + e, _mm512_permutexvar_epi16(i0, lo));
+        _mm512_storeu_si512(zl + e + 32, _mm512_permutexvar_epi16(i1, lo));
     }
 }
 
-/* A' rows of tokens tl0 .. tl0 + 15 of a decoded block (zg as in prerope64), row pitch 2 rp; columns r .. rp - 1 of
-   each part stay as they were (zero). */
-static inline void amx_rows(float *const *zg, const int64_t *c, int ng, int64_t tl0, int64_t rp, uint16_t *a) {
-    for (int i = 0; i < 16; i++) {
-        uint16_t *row = a + i * 2 * rp;
-        int64_t off = 0;
-        for (int g = 0; g < ng; off += c[g], g++) {
-            const float *src = zg[g] + (tl0 + i) * c[g];
-            for (int64_t u = 0; u < c[g]; u += 16) {
-                const __mmask16 m = c[g] - u >= 16 ? 0xffff : (__mmask16)((1u << (c[g] - u)) - 1);
-                const __m512 v = _mm512_maskz_loadu_ps(m, src + u);
-                const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
-                const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-                const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
-                _mm256_mask_storeu_epi16(row + off + u, m, hi);
-                _mm256_mask_storeu_epi16(row + rp + off + u, m, lo);
-            }
-        }
-    }
-}
-
-/* tile 4 (A' columns) times the four column tiles of B' at b, into tiles 0-3 */
+/* tile 4 times the four column tiles of B at b, into tiles 0-3 */
 #define AMX_COLUMNS(b) do { \
     _tile_loadd(5, (b), 64); _tile_dpbf16ps(0, 4, 5); _tile_loadd(5, (b) + 512, 64); _tile_dpbf16ps(1, 4, 5); \
     _tile_loadd(5, (b) + 1024, 64); _tile_dpbf16ps(2, 4, 5); _tile_loadd(5, (b) + 1536, 64); _tile_dpbf16ps(3, 4, 5); \
 } while (0)
 
-/* 16 keys less their mean (16 x 64 floats into k) */
+/* A rows of 16 tokens (pitch 2 rp: [Zh | Zl]) from each group's decoded level parts (zh[g] / zl[g], token i's at
+   i * c[g]) in group order, 32 entries a copy: each copy's tail is overwritten by the next group's, the next
+   part's or the next row's, and the last group's (columns r .. rp - 1) meets W's zero rows; a has 32 spare */
+static inline void amx_rows(uint16_t *const *zh, uint16_t *const *zl, const int64_t *c, int ng, int64_t rp,
+                            uint16_t *a) {
+    for (int i = 0; i < 16; i++)
+        for (int part = 0; part < 2; part++) {
+            uint16_t *row = a + (2 * i + part) * rp;
+            for (int g = 0; g < ng; row += c[g], g++) {
+                const uint16_t *src = (part ? zl[g] : zh[g]) + i * c[g];
+                for (int64_t u = 0; u < c[g]; u += 32) _mm512_storeu_si512(row + u, _mm512_loadu_si512(src + u));
+            }
+        }
+}
+
+/* 16 keys less their mean into k (16 x 64 floats) from their A rows: per chunk of 32 axes, Zh against Wh and Wl,
+   Zl against Wh (bt: the head's w as amx_tiles) */
 static inline void amx_keys(const uint16_t *a, int64_t rp, const uint16_t *bt, float *k) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t ks = 0; ks < rp / 32; ks++) {
-        const uint16_t *wh = bt + ks * 4 * 512, *wl = bt + (rp / 32 + ks) * 4 * 512;
-        _tile_loadd(4, a + ks * 32, 2 * rp * 2);  /* Zh: against Wh and Wl */
+    for (int64_t kc = 0; kc < rp / 32; kc++) {
+        const uint16_t *wh = bt + kc * 4096, *wl = wh + 2048;
+        _tile_loadd(4, a + 32 * kc, 4 * rp);
         AMX_COLUMNS(wh);
         AMX_COLUMNS(wl);
-        _tile_loadd(4, a + rp + ks * 32, 2 * rp * 2);  /* Zl: against Wh */
+        _tile_loadd(4, a + rp + 32 * kc, 4 * rp);
         AMX_COLUMNS(wh);
     }
     _tile_stored(0, k, 256);
     _tile_stored(1, k + 16, 256);
     _tile_stored(2, k + 32, 256);
     _tile_stored(3, k + 48, 256);
+}
+
+/* the 16 keys of k (less their mean) turned by their positions' rows (ct, st, row pitch 64) and read by the head's
+   M query rows (bq: amx_tiles of q, transposed) into out[m * T + i]; ka (16 x 128 bf16) and s (16 x 16 floats)
+   are scratch */
+static inline void amx_read(const float *k, const float *mean, const float *ct, const float *st,
+                            const uint16_t *bq, int64_t M, float *out, int64_t T, uint16_t *ka, float *s) {
+    for (int i = 0; i < 16; i++, k += 64, ct += 64, st += 64) {
+        __m512 key[4], r[4];
+        for (int j = 0; j < 4; j++) key[j] = _mm512_add_ps(_mm512_loadu_ps(k + 16 * j), _mm512_loadu_ps(mean + 16 * j));
+        for (int j = 0; j < 2; j++) {
+            const __m512 cs = _mm512_loadu_ps(ct + 16 * j), sn = _mm512_loadu_ps(st + 16 * j);
+            r[j] = _mm512_fnmadd_ps(key[j + 2], sn, _mm512_mul_ps(key[j], cs));
+            r[j + 2] = _mm512_fmadd_ps(key[j], sn, _mm512_mul_ps(key[j + 2], cs));
+        }
+        __m512 hi[4], lo[4];  /* the high part truncated (exact in bf16), the rest rounded */
+        for (int j = 0; j < 4; j++)
+            hi[j] = _mm512_and_ps(r[j], _mm512_castsi512_ps(_mm512_set1_epi32((int)0xffff0000u))),
+            lo[j] = _mm512_sub_ps(r[j], hi[j]);
+        for (int j = 0; j < 2; j++) {
+            _mm512_storeu_si512(ka + 128 * i + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(hi[2 * j + 1], hi[2 * j]));
+            _mm512_storeu_si512(ka + 128 * i + 64 + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(lo[2 * j + 1], lo[2 * j]));
+        }
+    }
+    _tile_zero(6);
+    for (int kc = 0; kc < 2; kc++) {
+        _tile_loadd(5, bq + kc * 1024, 64);
+        _tile_loadd(7, bq + kc * 1024 + 512, 64);
+        _tile_loadd(4, ka + 32 * kc, 256);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_dpbf16ps(6, 4, 7);
+        _tile_loadd(4, ka + 64 + 32 * kc, 256);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_dpbf16ps(6, 4, 7);
+    }
+    _tile_stored(6, s, 64);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out + m * T, _mm512_i32gather_ps(rows, s + m, 4));
 }
 #else
 int kv_amx(void) { return 0; }
@@ -566,9 +683,9 @@ int kv_amx_allow(int allow) { return 0; }
    through levels[g]. Per token the key is rebuilt from w, each group's axes times their deviations stacked in group
    order (built here from the held fp16 tensors, so nothing derived is held between steps):
    k = mean + sum_j z_j w[j], out[h, m, t] = q[h, m] . (k cos[t] + rotate_half(k) sin[t]) (cos, sin (T, d): the
-   token's position's rows). Blocks of PB tokens (a multiple of 8) start on whole groups of 8 codes, so each group's
-   codes are decoded eight at a time (decode8; the store's padding completes the last); a block's table rows are read
-   once for all heads, and nothing of size T x d is written. */
+   token's position's rows). Blocks of PB tokens (a multiple of 16) start on whole groups of 8 codes, so each group's
+   codes are decoded eight at a time (decode8; the store's padding completes the last) or 64 at a time on the tile
+   path; a block's table rows are read once for all heads, and nothing of size T x d is written. */
 #define PB 32
 #define MAX_HEADS 64
 
@@ -588,14 +705,6 @@ int kv_score_prerope(int H, const int *gs, const uint8_t *const *data, const int
     const int64_t blocks = (T + PB - 1) / PB;
     float *wbuf = malloc(sizeof(float) * (wsize + threads * zsize));
     if (!wbuf) return -1;
-#ifdef HAVE_AMX
-    const int amx = d == 64 && kv_amx();
-    int64_t rp[MAX_HEADS], bsize = 0, asize = 0;  /* asize: a thread's A' rows of every head */
-    for (int h = 0; h < H; h++) rp[h] = (r[h] + 31) / 32 * 32, bsize += 2 * rp[h] * 64, asize += 16 * 2 * rp[h];
-    uint16_t *bts = amx ? malloc(2 * (bsize + threads * asize)) : NULL;
-    if (amx && !bts) return free(wbuf), -1;
-    if (amx) memset(bts + bsize, 0, 2 * threads * asize);
-#endif
     float *wh[MAX_HEADS], *mh[MAX_HEADS], *zbuf = wbuf + wsize;
     for (int h = 0, off = 0; h < H; off += (int)((r[h] + 1) * d), h++) {  /* mean row, then w's rows */
         mh[h] = wbuf + off;
@@ -611,18 +720,32 @@ int kv_score_prerope(int H, const int *gs, const uint8_t *const *data, const int
             }
     }
 #ifdef HAVE_AMX
-    uint16_t *bt[MAX_HEADS];
-    for (int h = 0, off = 0; amx && h < H; off += (int)(2 * rp[h] * 64), h++)
-        amx_weights(wh[h], r[h], rp[h], bt[h] = bts + off);
+    int amx = d == 64 && M <= AMX_ROWS && kv_amx();
+    /* per head: its w's tiles and its queries'; per thread: a head's groups' 16 tokens' level parts and A rows */
+    int64_t bsize = 0, lsize = 0, rp[MAX_HEADS];
+    for (int h = 0; h < H; h++) {
+        int64_t lh = 32 * (rp[h] = (r[h] + 31) / 32 * 32) + 32;
+        for (int g = gs[h]; g < gs[h + 1]; g++) lh += 2 * ZLEN(c[g]);
+        bsize += rp[h] / 32 * 4096 + 2048;
+        if (lh > lsize) lsize = lh;
+    }
+    uint16_t *bts = amx ? amx_scratch(2 * (bsize + threads * lsize)) : NULL;  /* B tiles: all written below */
+    AmxCodes *codes = amx ? malloc(sizeof(AmxCodes) * gs[H]) : NULL;
+    if (amx && (!bts || !codes)) return free(codes), free(wbuf), -1;
+    if (amx) memset(bts + bsize, 0, 2 * threads * lsize);  /* what a tile row reads past the decoded codes */
+    uint16_t *bt[MAX_HEADS], *bq[MAX_HEADS];
+    for (int h = 0, off = 0; amx && h < H; off += (int)(rp[h] / 32 * 4096 + 2048), h++) {
+        amx_tiles(wh[h], r[h], r[h], 0, bt[h] = bts + off);
+        amx_tiles(q + h * M * d, 64, M, 1, bq[h] = bt[h] + rp[h] / 32 * 4096);
+        for (int g = gs[h]; g < gs[h + 1]; g++) amx_codes(levels[g], nbits[g], codes + g);
+    }
 #endif
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int k = 0; k < threads; k++) {
         float *z = zbuf + k * zsize;
 #ifdef HAVE_AMX
-        float kb[16 * 64];
-        uint16_t *ah[MAX_HEADS];
-        for (int h = 0, off = 0; amx && h < H; off += (int)(16 * 2 * rp[h]), h++)
-            ah[h] = bts + bsize + k * asize + off;
+        float kb[16 * 64] __attribute__((aligned(64))), sb[16 * 16] __attribute__((aligned(64)));
+        uint16_t ka[16 * 128] __attribute__((aligned(64))), *lv = amx ? bts + bsize + k * lsize : NULL;
         if (amx) amx_configure();
 #endif
         for (int64_t blk = blocks * k / threads; blk < blocks * (k + 1) / threads; blk++) {
@@ -630,31 +753,36 @@ int kv_score_prerope(int H, const int *gs, const uint8_t *const *data, const int
             for (int h = 0; h < H; h++) {
                 const int ng = gs[h + 1] - gs[h];
                 const int64_t *ch = c + gs[h];
-                float *zg[MAX_PARTS];
-                for (int g = 0, off = 0; g < ng; off += (int)(PB * ch[g] + 8), g++) {
-                    const int G = gs[h] + g, b = nbits[G];
-                    __m256 lv[4];
-                    load_levels(levels[G], b, lv);
-                    zg[g] = z + off;
-                    const uint8_t *src = data[G] + (t0 * ch[g] / 8) * b;
-                    for (int64_t e = 0; e < nt * ch[g]; e += 8)
-                        _mm256_storeu_ps(zg[g] + e, decode8(src + e / 8 * b, b, lv, levels[G]));
-                }
                 const float *qh = q + h * M * d;
                 float *oh = out + h * M * T;
                 int64_t tl = 0;
 #ifdef HAVE_AMX
                 for (; amx && tl + 16 <= nt; tl += 16) {
-                    amx_rows(zg, ch, ng, tl, rp[h], ah[h]);
-                    amx_keys(ah[h], rp[h], bt[h], kb);
-                    for (int i = 0; i < 16; i++) {
-                        V key[NV];
-                        for (int j = 0; j < NV; j++) key[j] = VADD(VLOAD(kb + 64 * i + VW * j), VLOAD(mh[h] + VW * j));
-                        const int64_t t = t0 + tl + i;
-                        read64(key, cosv + t * d, sinv + t * d, qh, M, oh + t, T);
+                    uint16_t *zh[MAX_PARTS], *zl[MAX_PARTS], *a = lv;
+                    for (int g = 0, off = (int)(32 * rp[h] + 32); g < ng; off += (int)(2 * ZLEN(ch[g])), g++) {
+                        const int G = gs[h] + g;
+                        zh[g] = lv + off;
+                        zl[g] = zh[g] + ZLEN(ch[g]);
+                        amx_decode(data[G] + ((t0 + tl) * ch[g] / 8) * nbits[G], nbits[G], 16 * ch[g], codes + G,
+                                   levels[G], zh[g], zl[g]);
                     }
+                    amx_rows(zh, zl, ch, ng, rp[h], a);
+                    amx_keys(a, rp[h], bt[h], kb);
+                    amx_read(kb, mh[h], cosv + (t0 + tl) * d, sinv + (t0 + tl) * d, bq[h], M, oh + t0 + tl, T, ka,
+                             sb);
                 }
+                if (tl == nt) continue;
 #endif
+                float *zg[MAX_PARTS];
+                for (int g = 0, off = 0; g < ng; off += (int)(PB * ch[g] + 8), g++) {
+                    const int G = gs[h] + g, b = nbits[G];
+                    __m256 lvr[4];
+                    load_levels(levels[G], b, lvr);
+                    zg[g] = z + off;
+                    const uint8_t *src = data[G] + (t0 * ch[g] / 8) * b;
+                    for (int64_t e = 0; e < nt * ch[g]; e += 8)
+                        _mm256_storeu_ps(zg[g] + e, decode8(src + e / 8 * b, b, lvr, levels[G]));
+                }
                 if (d == 64)
                     for (; tl + KT <= nt; tl += KT)
                         prerope64(zg, ch, ng, tl, wh[h], mh[h], cosv + (t0 + tl) * d, sinv + (t0 + tl) * d, qh, M,
@@ -670,7 +798,7 @@ int kv_score_prerope(int H, const int *gs, const uint8_t *const *data, const int
 #endif
     }
 #ifdef HAVE_AMX
-    free(bts);
+    free(codes);
 #endif
     free(wbuf);
     return 0;

@@ -8,10 +8,11 @@ faster to attend than the full one it replaces. It is compiled on first use with
 AVX2, on other devices or with KVSUM_NATIVE=0, the PyTorch path runs instead (same numbers up to float
 summation order). TurboQuant's rotated path (summary's code cover included) and KIVI read their codes
 through it (`score` / `mix` and `score_groups` / `mix_runs`), and pca keys coded before RoPE on the CPU
-(`score_prerope`: each key rebuilt from its axes and turned to its position in registers, 16 keys at a time on
-AMX tiles where the CPU has them and the OS grants them, to about 16 bits of each product; KVSUM_AMX=0 keeps it
-on AVX). On CUDA tensors the other calls run the Triton kernels of kvsum/kernels/ instead (where triton is
-installed; KVSUM_NATIVE=0 turns them off too).
+(`score_prerope`: each key rebuilt from its axes and turned to its position in registers; where the CPU has AMX
+and the OS grants it, 16 tokens at a time as two tile products, their keys and then their scores, to about 16 bits
+of each product; KVSUM_AMX=0 keeps it on AVX). On CUDA tensors the Triton kernels of kvsum/kernels/ run instead
+(pre-RoPE keys: kernels/prerope.py, called from pca.py; where triton is installed; KVSUM_NATIVE=0 turns them off
+too).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 from scipy import stats
 from torch import Tensor
 
+from ... import kernels
 from ...rope import RopeFrame, rotate, rotate_half
 from ...state import tensor_bytes
 from . import native
@@ -55,7 +56,7 @@ def allocate(weight: Tensor, total: int) -> Tensor:
     """Integer widths (d,) in 0..MAX_BITS summing to min(total, d * MAX_BITS): greedy by marginal return
     weight_i (D(b_i) - D(b_i + 1)), optimal for a convex D."""
     D = torch.tensor([1.0, *(gaussian_lloyd_max(b)[1] for b in range(1, MAX_BITS + 1)), 0.0], dtype=torch.float64)
-    w = weight.double().clamp_min(0)
+    w = weight.double().clamp_min(0).cpu()  # a greedy loop over d widths: metadata, on the CPU whatever the keys
     b = torch.zeros(weight.shape[0], dtype=torch.long)
     for _ in range(min(total, weight.shape[0] * MAX_BITS)):
         gain = torch.where(b < MAX_BITS, w * (D[b] - D[b + 1]), -1.0)
@@ -179,12 +180,15 @@ class KeyTransform:
     def scores(self, q: Tensor) -> Tensor:
         """q (1, H, M, d) against the keys -> (1, H, M, T) unscaled: the queries move onto each head's axes once;
         the mean's logit is exact, and so are the outliers'. Keys coded before RoPE are read at their positions
-        (each position turns them differently), rebuilt and turned in registers by the packed-code kernel at a
-        decoding step on the CPU; else (many query rows, where a matmul is faster) dequantized, with RoPE's
-        rotate-half moved onto the queries: q.(k cos + rot(k) sin) = (k cos).q + (k sin).(-rot(q)), the tables'
-        two halves being equal, so no turned key is built."""
+        (each position turns them differently), rebuilt and turned in registers at a decoding step by the packed-code
+        kernel on the CPU, by the Triton one on CUDA (kvsum/kernels/prerope.py); else (many query rows, where a
+        matmul is faster) dequantized, with RoPE's rotate-half moved onto the queries: q.(k cos + rot(k) sin) =
+        (k cos).q + (k sin).(-rot(q)), the tables' two halves being equal, so no turned key is built."""
         if self.frame is not None:
             cos, sin = self.frame.tables(0, self.T, q.device)
+            if q.shape[2] <= native.MAX_ROWS and kernels.serves(q, cos):
+                from ...kernels import prerope
+                return self._with_exact(prerope.score_prerope(self.heads, cos, sin, q[0]), q, cos, sin)
             if (q.device.type == "cpu" and q.shape[2] <= native.MAX_ROWS and self.H <= native.MAX_HEADS
                     and native.library() is not None):
                 return self._native_scores(q, cos, sin)
