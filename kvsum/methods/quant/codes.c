@@ -488,21 +488,6 @@ int kv_amx_allow(int allow) {  /* allow = 0: the AVX path from now on (tests com
     return kv_amx();
 }
 
-static inline uint16_t to_bf16(float x) {  /* round to nearest even, as _mm512_cvtneps_pbh */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-static inline uint16_t bf16_part(float x, int rest) { return rest ? to_bf16(x - from_bf16(to_bf16(x))) : to_bf16(x); }
-
 typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
 
 static void amx_configure(void) {  /* 8 tiles of 16 x 64 bytes: 0-3 keys (floats), 4 A, 5 and 7 B, 6 scores */
@@ -555,8 +540,12 @@ static void amx_codes(const float *levels, int bits, AmxCodes *a) {
         a->shift[i] = (uint8_t)(i % 8 * bits);
         a->mask[i] = (uint8_t)((1 << bits) - 1);
     }
-    for (int i = 0; i < (bits <= AMX_BITS ? 1 << bits : 0); i++)
-        a->hi[i] = bf16_part(levels[i], 0), a->lo[i] = bf16_part(levels[i], 1);
+    for (int i = 0; bits <= AMX_BITS && i < 1 << bits; i += 16) {  /* the levels' parts, as the tiles' */
+        const int n = (1 << bits) - i;
+        const __m512 v = _mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1), levels + i);
+        _mm256_storeu_si256((__m256i *)(a->hi + i), _mm512_cvtepi32_epi16(amx_parts(v, 0)));
+        _mm256_storeu_si256((__m256i *)(a->lo + i), _mm512_cvtepi32_epi16(amx_parts(v, 1)));
+    }
 }
 
 /* n codes (a multiple of 8, from a word boundary) as the bf16 parts of their levels into zh and zl, 64 at a time;

@@ -186,12 +186,9 @@ class KeyTransform:
         (k cos).q + (k sin).(-rot(q)), the tables' two halves being equal, so no turned key is built."""
         if self.frame is not None:
             cos, sin = self.frame.tables(0, self.T, q.device)
-            if q.shape[2] <= native.MAX_ROWS and kernels.serves(q, cos):
-                from ...kernels import prerope
-                return self._with_exact(prerope.score_prerope(self.heads, cos, sin, q[0]), q, cos, sin)
-            if (q.device.type == "cpu" and q.shape[2] <= native.MAX_ROWS and self.H <= native.MAX_HEADS
-                    and native.library() is not None):
-                return self._native_scores(q, cos, sin)
+            kernel = self._prerope_kernel(q, cos)
+            if kernel is not None:  # no (T, d) tensor written; the exact outliers' logits after, turned the same way
+                return self._with_exact(kernel(self.heads, cos, sin, q[0]), q, cos, sin)
             k = self._coded_keys()
             s = torch.bmm(q[0], (k * cos).transpose(1, 2))
             return s.baddbmm_(-rotate_half(q[0]), (k.mul_(sin)).transpose(1, 2))[None]
@@ -203,11 +200,18 @@ class KeyTransform:
             out.append(s)
         return self._with_exact(torch.stack(out), q)
 
-    def _native_scores(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """`scores` of keys coded before RoPE through the packed-code kernel (native.score_prerope): each key rebuilt
-        and turned in registers from the held fp16 tensors, no (T, d) tensor written; the exact outliers' logits
-        after, turned the same way."""
-        return self._with_exact(native.score_prerope(self.heads, cos, sin, q[0]), q, cos, sin)
+    def _prerope_kernel(self, q: Tensor, cos: Tensor):
+        """The kernel that scores keys coded before RoPE from the held tensors at a decoding step (few query rows):
+        Triton's on CUDA (kernels/prerope.py), the packed-code one on the CPU (native.score_prerope); None where
+        neither runs."""
+        if q.shape[2] > native.MAX_ROWS:
+            return None
+        if kernels.serves(q, cos):
+            from ...kernels import prerope
+            return prerope.score_prerope
+        if q.device.type == "cpu" and self.H <= native.MAX_HEADS and native.library() is not None:
+            return native.score_prerope
+        return None
 
     def _with_exact(self, out: Tensor, q: Tensor, cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
         """Scores (H, M, T) with the exact outliers' logits in place (their keys turned by the tables, if given)
