@@ -44,7 +44,8 @@ def test_rows_say_what_summary_by_budget_became():
     rows = run(tiny_llama(), CharTokenizer(), "passkey", ["summary", ("summary", {"by_budget": False})], [0.1],
                [300], n=1, progress=False)
     auto, plain = rows
-    chosen = "summary+turboquant:center=True,entropy_allocation=False,bits=2"  # no sentences; 30 tokens' worth a head
+    # no sentences; 30 tokens' worth a head
+    chosen = "summary+turboquant:center=True,unbiased=values,entropy_allocation=False,bits=2"
     assert auto["chosen"] == [chosen] and auto["examples"][0]["chosen"] == chosen
     assert "chosen" not in plain and _chosen(auto) == "by budget: " + chosen
 

@@ -19,6 +19,7 @@
 
 #define TB 4 /* tokens per pass */
 #define MB 3 /* query rows per pass over the codes (a KV head's G query heads at one decoding step) */
+#define MAX_ROWS 16 /* query rows a head's mix reads (native.MAX_ROWS): more go through the matmul path */
 
 static inline __m256 decode8(const uint8_t *src, const int bits, const __m256 *lv, const float *levels) {
     __m256i idx;
@@ -107,21 +108,51 @@ static inline __attribute__((always_inline)) void mix_part(
     }
 }
 
+/* mix_part for more query rows than one pass's registers hold (M > MB): each code is decoded once for all M rows,
+   whose sums are read and written through memory (L1) instead of three passes decoding every code again. */
+static inline __attribute__((always_inline)) void mix_rows(
+        const Part a, const int A, const __m256 *lv, int64_t t, int64_t h, int64_t H, int tb, int64_t M,
+        const float w[TB][MAX_ROWS]) {
+    const uint8_t *rows[TB];
+    for (int k = 0; k < TB; k++) rows[k] = a.data + ((t + (k < tb ? k : 0)) * H + h) * a.pitch;
+    float *o = a.dst + h * M * a.c;
+    for (int64_t g = 0; g < a.c / 8; g++) {
+        __m256 v[TB];
+        for (int k = 0; k < TB; k++) v[k] = decode8(rows[k] + g * A, A, lv, a.levels);
+        for (int i = 0; i < (int)M; i++) {
+            float *oi = o + i * a.c + 8 * g;
+            __m256 acc = _mm256_loadu_ps(oi);
+            for (int k = 0; k < TB; k++) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&w[k][i]), v[k], acc);
+            _mm256_storeu_ps(oi, acc);
+        }
+    }
+}
+
 /* One pass over tokens [t0, t1) of one or two channel parts (a at A bits, b at B bits; B = 0: none), four tokens
    at a time: the two parts of an outlier split (lo + 1 and lo bits) share the pass's accumulators, sums and
    weights. Scoring (mix = 0): each query vector is loaded once for the four tokens, and their four dot products
-   are summed across lanes together (hsum4) into out (H, M, T). Mixing (mix = 1): weights p (H, M, T) times
-   norm (H, T); each output vector is loaded and stored once for the four. Fixed trip counts keep the
-   accumulators in registers: a missing token rereads row 0 with weight 0, a missing row queries 0. */
+   are summed across lanes together (hsum4) into out (H, M, T). Mixing (mix = 1): weights p (H, M, T), row h * M + m
+   at p + (h * M + m) * ps (a slice of a joint softmax is read where it lies), times norm (H, T); each output vector
+   is loaded and stored once for the four, up to MB rows from registers, more by mix_rows. Fixed trip counts keep
+   the accumulators in registers: a missing token rereads row 0 with weight 0, a missing row queries 0. */
 static inline __attribute__((always_inline)) void pass_range(
         const Part a, const int A, const Part b, const int B, int64_t t0, int64_t t1, int64_t T, int64_t H,
-        const float *p, const float *norm, int64_t M, float *out, const int mix) {
+        const float *p, int64_t ps, const float *norm, int64_t M, float *out, const int mix) {
     __m256 lva[4], lvb[4];
+    float wm[TB][MAX_ROWS];  /* mix_rows' weights, token-major */
     load_levels(a.levels, A, lva);
     if (B) load_levels(b.levels, B, lvb);
     for (int64_t t = t0; t < t1; t += TB) {
         const int tb = t1 - t < TB ? (int)(t1 - t) : TB;
         for (int64_t h = 0; h < H; h++) {
+            if (mix && M > MB) {
+                for (int k = 0; k < TB; k++)
+                    for (int64_t i = 0; i < M; i++)
+                        wm[k][i] = k < tb ? p[(h * M + i) * ps + t + k] * norm[h * T + t + k] : 0.0f;
+                mix_rows(a, A, lva, t, h, H, tb, M, wm);
+                if (B) mix_rows(b, B, lvb, t, h, H, tb, M, wm);
+                continue;
+            }
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
                 const int mb = M - m0 < MB ? (int)(M - m0) : MB;
                 if (mix) {
@@ -129,7 +160,7 @@ static inline __attribute__((always_inline)) void pass_range(
                     for (int k = 0; k < TB; k++)
                         for (int i = 0; i < MB; i++)
                             w[k][i] = _mm256_set1_ps(k < tb && i < mb
-                                                     ? p[(h * M + m0 + i) * T + t + k] * norm[h * T + t + k] : 0.0f);
+                                                     ? p[(h * M + m0 + i) * ps + t + k] * norm[h * T + t + k] : 0.0f);
                     mix_part(a, A, lva, t, h, H, tb, m0, M, mb, w);
                     if (B) mix_part(b, B, lvb, t, h, H, tb, m0, M, mb, w);
                     continue;
@@ -173,14 +204,14 @@ static inline __attribute__((always_inline)) void pass_range(
 #define PART(i, B, Q, D) ((Part){data[i] + base * (c[i] / 8 * (B)), c[i], c[i] / 8 * (B), levels[i], Q, D})
 #define QP(i) (qp[i] + r * M * c[i])
 #define DST(i) (dst[i] + r * M * c[i])
-#define SCORE(t0, t1, B) pass_range(PART(i, B, QP(i), NULL), B, NONE, 0, t0, t1, T, heads, NULL, NULL, M, \
+#define SCORE(t0, t1, B) pass_range(PART(i, B, QP(i), NULL), B, NONE, 0, t0, t1, T, heads, NULL, 0, NULL, M, \
                                     out + r * M * T, 0)
 #define SCORE2(t0, t1, B) pass_range(PART(0, B, QP(0), NULL), B, PART(1, B - 1, QP(1), NULL), B - 1, t0, t1, T, \
-                                     heads, NULL, NULL, M, out + r * M * T, 0)
-#define MIX(t0, t1, B) pass_range(PART(i, B, NULL, DST(i)), B, NONE, 0, t0, t1, T, heads, p + r * M * T, \
+                                     heads, NULL, 0, NULL, M, out + r * M * T, 0)
+#define MIX(t0, t1, B) pass_range(PART(i, B, NULL, DST(i)), B, NONE, 0, t0, t1, T, heads, p + r * M * ps, ps, \
                                   norm + base, M, NULL, 1)
 #define MIX2(t0, t1, B) pass_range(PART(0, B, NULL, DST(0)), B, PART(1, B - 1, NULL, DST(1)), B - 1, t0, t1, T, \
-                                   heads, p + r * M * T, norm + base, M, NULL, 1)
+                                   heads, p + r * M * ps, ps, norm + base, M, NULL, 1)
 /* every part of a side over [t0, t1) with ONE per part, or an outlier split (channels at bits + 1 and at bits)
    with TWO in one pass */
 #define PARTS(ONE, TWO) \
@@ -194,9 +225,9 @@ static inline __attribute__((always_inline)) void pass_range(
         } \
     }
 #define GROUP(t0, t1, B) pass_range((Part){data + (b * g * d / 8) * B, d, d / 8 * B, levels, qg + b * M * d, NULL}, B, \
-                                    NONE, 0, t0, t1, T, 1, NULL, NULL, M, out + h * M * T + gi * g, 0)
+                                    NONE, 0, t0, t1, T, 1, NULL, 0, NULL, M, out + h * M * T + gi * g, 0)
 #define RUN(t0, t1, B) pass_range((Part){data + r * ch / 8 * B, ch, d / 8 * B, levels, NULL, dst}, B, NONE, 0, \
-                                  t0, t1, T, H, p, norms + r * H * T, M, NULL, 1)
+                                  t0, t1, T, H, p, ps, norms + r * H * T, M, NULL, 1)
 #define MAX_PARTS 8
 
 /* A coded side of one layer: `nparts` channel parts, part i holding channels idx[i] (H, c[i]) of each head
@@ -205,7 +236,8 @@ static inline __attribute__((always_inline)) void pass_range(
 
    kv_score_coded: out[h, m, t] = scale * norm[h, t] * sum_j q[h, m, j] * level(t, h, j) + add[h, t]   (add: NULL, 0)
    kv_mix_coded:   out[h, m, j] = sum_t p[h, m, t] * norm[h, t] * level(t, h, j)
-   with q (H, M, d), p (H, M, T), norm (H, T), level(t, h, j) the level of channel j's code.
+   with q (H, M, d), p (H, M, T) (row h * M + m at p + (h * M + m) * ps), norm (H, T), level(t, h, j) the level of
+   channel j's code.
 
    Runs (seg != NULL): the side is one head of seg[H] tokens (idx (1, c[i]), norm and add (seg[H],)), and query
    head h reads only its own run, tokens seg[h] to seg[h + 1] (composition packs ragged heads one after another
@@ -269,12 +301,12 @@ int kv_score_coded(int nparts, const uint8_t *const *data, const uint8_t *const 
 }
 
 int kv_mix_coded(int nparts, const uint8_t *const *data, const uint8_t *const *idx, const float *const *levels,
-                 const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *p, int64_t M,
-                 const float *norm, const int64_t *seg, float *out, int threads) {
+                 const int64_t *c, const int *nbits, int64_t T, int64_t H, int64_t d, const float *p, int64_t ps,
+                 int64_t M, const float *norm, const int64_t *seg, float *out, int threads) {
     /* each thread sums its tokens into its own (H, M, c[i]) block per part; the blocks are added into out's
        channels at the end */
     int64_t per = 0, off[MAX_PARTS];
-    if (nparts > MAX_PARTS) return -1;
+    if (nparts > MAX_PARTS || M > MAX_ROWS) return -1;
     for (int i = 0; i < nparts; i++) { off[i] = per; per += H * M * c[i]; }
     float *buf = calloc((size_t)threads * per, sizeof(float));
     if (!buf) return -1;
@@ -321,10 +353,11 @@ int kv_score_groups(const uint8_t *data, int64_t G, int64_t H, int64_t g, int64_
 /* KIVI's values: codes (T, H, d) with a scale and a minimum per token, head and run of ch channels, norms
    and mins (d / ch, H, T):
    out[h, m, j] += sum_t p[h, m, t] * (norms[j / ch, h, t] * levels[code(t, h, j)] + mins[j / ch, h, t])
-   (out (H, M, d)) */
+   (out (H, M, d); p's rows ps apart, as kv_mix_coded's) */
 int kv_mix_runs(const uint8_t *data, int64_t T, int64_t H, int64_t d, int64_t ch, int nbits, const float *levels,
-                const float *p, int64_t M, const float *norms, const float *mins, float *out, int threads) {
-    if (ch % 8 || d % ch) return -1;
+                const float *p, int64_t ps, int64_t M, const float *norms, const float *mins, float *out,
+                int threads) {
+    if (ch % 8 || d % ch || M > MAX_ROWS) return -1;
     const int64_t runs = d / ch, per = H * M * ch + H * M; /* a run's codes' sums, then its minimum's */
     float *buf = calloc((size_t)threads * runs * per, sizeof(float));
     if (!buf) return -1;
@@ -338,7 +371,7 @@ int kv_mix_runs(const uint8_t *data, int64_t T, int64_t H, int64_t d, int64_t ch
             for (int64_t h = 0; h < H; h++)
                 for (int64_t m = 0; m < M; m++) {
                     float acc = 0.0f;
-                    for (int64_t t = t0; t < t1; t++) acc += p[(h * M + m) * T + t] * mins[(r * H + h) * T + t];
+                    for (int64_t t = t0; t < t1; t++) acc += p[(h * M + m) * ps + t] * mins[(r * H + h) * T + t];
                     dst[H * M * ch + h * M + m] = acc;
                 }
         }

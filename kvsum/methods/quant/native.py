@@ -83,9 +83,9 @@ def library() -> ctypes.CDLL | None:
             ctypes.c_void_p, i64, ctypes.c_void_p]
     vp = ctypes.c_void_p
     lib.kv_score_coded.argtypes = [*head, ctypes.c_float, vp, vp, vp, ctypes.c_int]
-    lib.kv_mix_coded.argtypes = [*head, vp, vp, ctypes.c_int]
+    lib.kv_mix_coded.argtypes = [*head[:10], i64, *head[10:], vp, vp, ctypes.c_int]  # the weights' row pitch after p
     lib.kv_score_groups.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, ctypes.c_int]
-    lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, vp, vp, vp, ctypes.c_int]
+    lib.kv_mix_runs.argtypes = [vp, i64, i64, i64, i64, ctypes.c_int, vp, vp, i64, i64, vp, vp, vp, ctypes.c_int]
     lib.kv_score_prerope.argtypes = [ctypes.c_int, vp, ptrs, vp, vp, ptrs, ptrs, ptrs, ptrs, ptrs, vp, vp, vp, i64,
                                      i64, vp, i64, vp, ctypes.c_int]
     lib.kv_amx_allow.argtypes = [ctypes.c_int]
@@ -141,6 +141,18 @@ def _runs(runs: Tensor | None, H: int, parts: list) -> Tensor | None:
     return runs.to(torch.int64).contiguous()
 
 
+def _rows(p: Tensor) -> tuple[Tensor, int]:
+    """Weights p (H, M, n) as the kernel reads them: fp32 rows h * M + m of n unit-stride entries, `pitch` apart.
+    A slice of a wider tensor's last dim (a part of a joint softmax) is read where it lies, not copied."""
+    p = p.float()
+    H, M, _ = p.shape
+    pitch = p.stride(0) if M == 1 else p.stride(1)
+    if p.stride(-1) != 1 or p.stride(0) != M * pitch:
+        p = p.contiguous()
+        pitch = p.shape[-1]
+    return p, pitch
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -180,10 +192,10 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None
         from ...kernels import codes as gpu
         return gpu.mix(parts, p, norm, d, runs)
     args, keep = _side(parts, d, runs, p.shape[0])
-    p, norm = p.float().contiguous(), norm.float().contiguous()
+    (p, pitch), norm = _rows(p), norm.float().contiguous()
     out = p.new_zeros(p.shape[0], p.shape[1], d)
-    _check(library().kv_mix_coded(*args, p.data_ptr(), p.shape[1], norm.data_ptr(), _ptr(runs), out.data_ptr(),
-                                  _threads(parts[0][0].shape[0])))
+    _check(library().kv_mix_coded(*args, p.data_ptr(), pitch, p.shape[1], norm.data_ptr(), _ptr(runs),
+                                  out.data_ptr(), _threads(parts[0][0].shape[0])))
     return out
 
 
@@ -209,11 +221,11 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
         from ...kernels import kivi as gpu
         return gpu.mix_runs(codes, levels, p, norms, mins)
     T, H, runs, ch = codes.shape
-    p, levels = p.float().contiguous(), levels.float().contiguous()
+    (p, pitch), levels = _rows(p), levels.float().contiguous()
     norms, mins = norms.float().contiguous(), mins.float().contiguous()
     out = p.new_zeros(H, p.shape[1], runs * ch)
     _check(library().kv_mix_runs(codes.data.data_ptr(), T, H, runs * ch, ch, codes.bits, levels.data_ptr(),
-                                 p.data_ptr(), p.shape[1], norms.data_ptr(), mins.data_ptr(), out.data_ptr(),
+                                 p.data_ptr(), pitch, p.shape[1], norms.data_ptr(), mins.data_ptr(), out.data_ptr(),
                                  _threads(T)))
     return out
 

@@ -166,8 +166,8 @@ class TurboQuantState:
     def scores(self, q: Tensor, scale: float) -> Tensor:
         if self.path == "dequant":
             return q @ self.keys().transpose(-1, -2) * scale
-        if isinstance(self.k, KeyTransform):
-            return self.k.scores(q) * scale
+        if isinstance(self.k, KeyTransform):  # the scale on the few queries, not on the (H, M, T) logits
+            return self.k.scores(q * scale)
         if self.signs is None:  # the scale inside the codes' pass (the kernel's, where it serves)
             return self._code_logits(q, scale)
         qr = self.R.apply(q)

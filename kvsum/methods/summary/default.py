@@ -30,8 +30,10 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
      the budget and retrieval falls, where at 0.05 of 2k (102) and at 0.03 of 4k (123) the 3-bit configuration
      above wins on both retrieval and KL;
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
-Each configuration falls back to the next where it does not fit the prompt (a short prompt, a large head
-dim: the cover's fixed costs), and summary's own defaults come last.
+Every code of the rule reads its values unbiased (unbiased="values": Lloyd-Max codes shrink each value by about
+their distortion, and an attention output, an average over tokens, keeps the shrink while the codes' noise
+partly cancels; the same bytes). Each configuration falls back to the next where it does not fit the prompt (a
+short prompt, a large head dim: the cover's fixed costs), and summary's own defaults come last.
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ from ..registry import make_method
 
 COVER_FROM = 0.25
 TWO_BITS_BELOW = 80  # 16-bit tokens' worth a head, between those measured (61: 2 bits better; 102 and 123: 3)
-COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True}), "score": "surprisal"},
-         "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
+COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True, "unbiased": "values"}),
+                     "score": "surprisal"}, "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
 PRE_ROPE = Spec("turboquant", {"bits": 3.5, "key_basis": "pca", "pre_rope": True, "unbiased": "values", "skew": 0})
 COVER_PRE_ROPE = ("summary", {"cover": PRE_ROPE, "score": "surprisal"},
                   "anchors by surprisal over a 3.5-bit TurboQuant cover, its keys coded before RoPE on PCA axes (the "
                   "model's key projection has a bias, which turns with the position)")
-CODED = {"center": True, "entropy_allocation": False}  # both compositions: centered codes, the same share per layer
+# both compositions: centered codes, unbiased values, the same share per layer
+CODED = {"center": True, "unbiased": "values", "entropy_allocation": False}
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 # the sentence composition at 3 bits: what the next tokens read (the window, SnapKV's vote) beside the sentences

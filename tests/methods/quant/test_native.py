@@ -34,7 +34,7 @@ def test_kernel_compiles_and_serves_turboquant_decoding_steps():
 @pytest.mark.skipif(not SERVED, reason="needs a CPU with AVX2 and a C compiler")
 @pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
 @pytest.mark.parametrize("H,T,d,M,threads", [(3, 1001, 64, 3, 2), (1, 37, 256, 4, 1), (2, 50, 32, 16, 1),
-                                             (3, 5, 64, 1, 2)])
+                                             (3, 5, 64, 1, 2), (2, 700, 64, 7, 2)])
 def test_kernel_matches_the_lookup_path(lookup_path, bits, H, T, d, M, threads):
     torch.manual_seed(0)
     before = torch.get_num_threads()
@@ -97,6 +97,20 @@ def test_kernel_reads_runs_of_one_head(bits, lengths, threads):
             assert _rel(o[h], (p[h, :, :n] * vn[a:a + n]) @ values[a:a + n]) < 1e-5
     with pytest.raises(ValueError, match="do not split"):
         native.score(parts, q, state.k_norm, 0.5, None, runs[:-1])
+
+
+@pytest.mark.skipif(not SERVED, reason="needs a CPU with AVX2 and a C compiler")
+@pytest.mark.parametrize("M", [1, 3, 7])
+def test_mix_reads_weights_sliced_from_a_joint_softmax(M):
+    """A part's weights in a joint softmax are a slice of a wider tensor's last dim: read at their row pitch,
+    not copied, with the numbers of a contiguous copy (7 rows: the path that decodes a code once for all rows)."""
+    torch.manual_seed(M)
+    H, T, d = 2, 203, 64
+    state = TurboQuant(bits=3.5).build(torch.randn(H, T, d), torch.randn(H, T, d), 3.5, layer_idx=0)
+    p = torch.rand(H, M, T + 37)[:, :, 11:11 + T]
+    assert not p.is_contiguous()
+    parts = state.v._native(M)
+    assert torch.equal(native.mix(parts, p, state.v_norm, d), native.mix(parts, p.contiguous(), state.v_norm, d))
 
 
 def test_without_a_compiler_it_warns_and_falls_back(monkeypatch, tmp_path, lookup_path):

@@ -18,9 +18,10 @@ def _logits(model, cache, T):
 
 def test_the_rule_orders_its_configurations_by_budget():
     top = [(c.name, c.knobs) for c in default.choices(0.25, 2048, sentences=True)]
-    assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True}),
+    unbiased = {"unbiased": "values"}  # every code of the rule reads its values unbiased
+    assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True, **unbiased}),
                                   "score": "surprisal"})
-    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True,
+    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True, **unbiased,
                                              "entropy_allocation": False, "summary_window": 64,
                                              "summary_recent_exact": 8, "summary_anchor_share": 1.0,
                                              "summary_attention_share": 0.3})
@@ -28,9 +29,10 @@ def test_the_rule_orders_its_configurations_by_budget():
     assert not first.entropy_allocation  # a sentence kept alike in every layer
     assert (first.window, first.recent_exact) == (64, 8)  # at 3 bits the newest tokens stay exact
     assert (first.anchor_share, first.attention_share) == (1.0, 0.3)  # and the window's vote takes 3 anchors in 10
+    assert default.choices(0.1, 2048, True)[0].method.quant.unbiased == "values"
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=False)]
-    assert low == [("summary+turboquant", {"center": True, "entropy_allocation": False}),
+    assert low == [("summary+turboquant", {"center": True, **unbiased, "entropy_allocation": False}),
                    ("summary", {"by_budget": False})]  # no cover, no sentences
     assert default.choices(0.05, 2048, True)[0].knobs == top[1][1]  # 102 tokens' worth a head: 3 bits, the window
     two = default.choices(0.03, 2048, sentences=True)  # 61 tokens' worth, under TWO_BITS_BELOW: the codes are 2-bit
