@@ -7,8 +7,8 @@ kernel's `kv_score_prerope`, native.score_prerope, with the same arguments and n
 rebuilds them in registers instead, a block of BT tokens at a time: it decodes each width group's packed codes of
 the block (the layout of kvsum/methods/quant/packing.py, code u of token t at t * c + u), looks their levels up and
 sets each level at its axis, multiplies these coordinates (BT, r) by the head's axes times their deviations
-(tl.dot, IEEE fp32), adds the mean, turns the block's keys by its cos / sin rows and dots them with the head's query
-rows. Only the (H, M, T) scores are written.
+(tl.dot, IEEE fp32), adds the mean, turns the block's keys by its cos / sin rows (their first halves: RoPE's two
+halves are equal) and dots them with the head's query rows. Only the (H, M, T) scores are written.
 
 Every width group of a head is read in the same launch: the kernel has one slot per width (1 to MAX_BITS, widths
 known at compile time), an absent width's slot holds no code and reads nothing. An axis's place in its group's codes
@@ -79,14 +79,12 @@ def _prerope_kernel(out, q, mean, axes, std, widths, cos, sin, d1, l1, c1, d2, l
         w2 = tl.load(axes + (D // 2 + j[None, :]) * R + i[:, None], mask=wm, other=0.0).to(tl.float32) * s
         k1 += tl.dot(z, w1, input_precision="ieee")
         k2 += tl.dot(z, w2, input_precision="ieee")
-    tj = t[:, None] * D + j[None, :]
+    tj = t[:, None] * D + j[None, :]  # the tables' first halves: RoPE's two halves are equal (as the CPU kernel reads)
     tjm = tm[:, None] & jm[None, :]
-    c_a = tl.load(cos + tj, mask=tjm, other=0.0)
-    s_a = tl.load(sin + tj, mask=tjm, other=0.0)
-    r1 = k1 * c_a - k2 * s_a
-    c_b = tl.load(cos + D // 2 + tj, mask=tjm, other=0.0)
-    s_b = tl.load(sin + D // 2 + tj, mask=tjm, other=0.0)
-    r2 = k2 * c_b + k1 * s_b
+    c = tl.load(cos + tj, mask=tjm, other=0.0)
+    sn = tl.load(sin + tj, mask=tjm, other=0.0)
+    r1 = k1 * c - k2 * sn
+    r2 = k2 * c + k1 * sn
     qm = mm[:, None] & jm[None, :]
     row = (h * M + m[:, None]) * D + j[None, :]
     q1 = tl.load(q + row, mask=qm, other=0.0)

@@ -539,6 +539,12 @@ static inline __m512i amx_parts(__m512 v, int rest) {
     return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
 }
 
+/* 16 floats' bf16 high parts into hi and their rests into lo, 16 entries each */
+static inline void amx_split16(__m512 v, uint16_t *hi, uint16_t *lo) {
+    _mm256_storeu_si256((__m256i *)hi, _mm512_cvtepi32_epi16(amx_parts(v, 0)));
+    _mm256_storeu_si256((__m256i *)lo, _mm512_cvtepi32_epi16(amx_parts(v, 1)));
+}
+
 /* B tiles (16 x 32 bf16, pair-interleaved: tile row kk holds rows 2 kk and 2 kk + 1 of a chunk, column by column)
    of n rows (zero from row `valid` on), in chunks of 32 rows: per chunk the high parts then the rests, each as
    `cols` / 16 column tiles. cols = 64: a group's w (row j at x + 64 j); cols = 16 (transposed): a head's query
@@ -575,26 +581,21 @@ static void amx_codes(const float *levels, int bits, AmxCodes *a) {
     }
     for (int i = 0; bits <= AMX_BITS && i < 1 << bits; i += 16) {  /* the levels' parts, as the tiles' */
         const int n = (1 << bits) - i;
-        const __m512 v = _mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1), levels + i);
-        _mm256_storeu_si256((__m256i *)(a->hi + i), _mm512_cvtepi32_epi16(amx_parts(v, 0)));
-        _mm256_storeu_si256((__m256i *)(a->lo + i), _mm512_cvtepi32_epi16(amx_parts(v, 1)));
+        amx_split16(_mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1), levels + i), a->hi + i,
+                    a->lo + i);
     }
 }
 
-/* n codes (a multiple of 8, from a word boundary) as the bf16 parts of their levels into zh and zl, 64 at a time;
+/* n codes (a multiple of 16, from a word boundary) as the bf16 parts of their levels into zh and zl, 64 at a time;
    up to 63 entries past n are written */
 static inline void amx_decode(const uint8_t *src, int bits, int64_t n, const AmxCodes *a, const float *levels,
                               uint16_t *zh, uint16_t *zl) {
-    if (bits > AMX_BITS) {  /* more levels than a register holds: eight at a time as floats, then split */
+    if (bits > AMX_BITS) {  /* more levels than a register holds: eight at a time as floats, split 16 at a time */
         __m256 lv[4];
         load_levels(levels, bits, lv);
-        for (int64_t e = 0; e < n; e += 8) {
-            const __m256 v = decode8(src + e / 8 * bits, bits, lv, levels);
-            const __m128i h = (__m128i)_mm256_cvtneps_pbh(v);
-            const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            _mm_storeu_si128((__m128i *)(zh + e), h);
-            _mm_storeu_si128((__m128i *)(zl + e), (__m128i)_mm256_cvtneps_pbh(_mm256_sub_ps(v, back)));
-        }
+        for (int64_t e = 0; e < n; e += 16)
+            amx_split16(_mm512_insertf32x8(_mm512_castps256_ps512(decode8(src + e / 8 * bits, bits, lv, levels)),
+                                           decode8(src + (e + 8) / 8 * bits, bits, lv, levels), 1), zh + e, zl + e);
         return;
     }
     const __m512i perm = _mm512_loadu_si512(a->perm), shift = _mm512_loadu_si512(a->shift);
@@ -802,7 +803,7 @@ int kv_score_prerope(int H, const int *gs, const uint8_t *const *data, const int
                     load_levels(levels[G], b, lvr);
                     zg[g] = z + off;
                     const uint8_t *src = data[G] + (t0 * ch[g] / 8) * b;
-                    for (int64_t e = 0; e < nt * ch[g]; e += 8)
+                    for (int64_t e = tl * ch[g]; e < nt * ch[g]; e += 8)  /* the tokens the tiles left */
                         _mm256_storeu_ps(zg[g] + e, decode8(src + e / 8 * b, b, lvr, levels[G]));
                 }
                 if (d == 64)
