@@ -44,14 +44,15 @@ from ..registry import make_method
 
 COVER_FROM = 0.25
 TWO_BITS_BELOW = 80  # 16-bit tokens' worth a head, between those measured (61: 2 bits better; 102 and 123: 3)
-COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True, "unbiased": "values"}),
-                     "score": "surprisal"}, "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
-PRE_ROPE = Spec("turboquant", {"bits": 3.5, "key_basis": "pca", "pre_rope": True, "unbiased": "values", "skew": 0})
+UNBIASED = {"unbiased": "values"}  # every code of the rule: the cover's, the pre-RoPE cover's, the compositions'
+COVER = ("summary", {"cover": Spec("turboquant", {"bits": 3.5, "center": True, **UNBIASED}), "score": "surprisal"},
+         "anchors by surprisal over a 3.5-bit centered TurboQuant cover")
+PRE_ROPE = Spec("turboquant", {"bits": 3.5, "key_basis": "pca", "pre_rope": True, **UNBIASED, "skew": 0})
 COVER_PRE_ROPE = ("summary", {"cover": PRE_ROPE, "score": "surprisal"},
                   "anchors by surprisal over a 3.5-bit TurboQuant cover, its keys coded before RoPE on PCA axes (the "
                   "model's key projection has a bias, which turns with the position)")
 # both compositions: centered codes, unbiased values, the same share per layer
-CODED = {"center": True, "unbiased": "values", "entropy_allocation": False}
+CODED = {"center": True, **UNBIASED, "entropy_allocation": False}
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 # the sentence composition at 3 bits: what the next tokens read (the window, SnapKV's vote) beside the sentences
