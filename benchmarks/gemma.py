@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = [r for r in old["runs"] if r.get("task") != args.task
             or not set(r.get("methods", METHODS)) <= set(args.methods)] + [info]
     order = {"passkey": 0, "multikey": 1, "lm": 2}
-    data = {"meta": {**info, "command": None, "commands": [r["command"] for r in runs]},
+    meta = {**info, "command": None, "commands": [r["command"] for r in runs]}
+    for k in ("experiment", "run"):  # a direct invocation merging into the experiment's file keeps its name
+        meta[k] = meta.get(k) or old.get("meta", {}).get(k)
+    data = {"meta": meta,
             "rows": sorted(keep + rows, key=lambda r: order[r["task"]]),
             "runs": sorted(runs, key=lambda r: order[r["task"]])}
     js.parent.mkdir(parents=True, exist_ok=True)

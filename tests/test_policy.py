@@ -7,8 +7,9 @@ from kvsum.breakeven import crossing
 from kvsum.errors import KVSumError
 from tests.helpers import CharTokenizer, random_ids, tiny_llama
 
-# the rule below the cover without a tokenizer, on 300 tokens at 0.1 (30 tokens' worth a head, under TWO_BITS_BELOW)
-CODES = {"center": True, "unbiased": "values", "entropy_allocation": False, "bits": 2}
+# the rule below the cover without a tokenizer, on 300 tokens at 0.1 (30 tokens' worth a head, under TWO_BITS_BELOW;
+# head dim 16: in the Hadamard rotation)
+CODES = {"center": True, "unbiased": "values", "entropy_allocation": False, "bits": 2, "rotation": "hadamard"}
 LENGTHS = [256, 512, 1024, 2048, 4096]
 
 
@@ -144,5 +145,6 @@ def test_generate_keeps_what_summary_by_budget_became():
     _, cache = kvsum.generate(model, tok, ctx, "Where?", policy=kvsum.Policy(memory=0.1), max_new_tokens=2,
                               return_cache=True)
     assert (cache.decision.method, cache.decision.knobs) == ("summary+turboquant", CODES)
-    assert cache.decision.spec == "summary+turboquant:center=True,unbiased=values,entropy_allocation=False,bits=2"
+    assert cache.decision.spec == ("summary+turboquant:center=True,unbiased=values,entropy_allocation=False,bits=2,"
+                                   "rotation=hadamard")
     assert "configured by budget" in cache.decision.reason

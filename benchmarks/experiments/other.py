@@ -9,17 +9,22 @@ COMPOSED = "summary+turboquant"
 PRE_ROPE_COVER = tq(bits=3.5, key_basis="pca", pre_rope=True, unbiased="values", skew=0)
 SENTENCES = dict(score="sentence", key_shift=1, center=True, entropy_allocation=False)
 
+# SnapKV's selection as codes in the Hadamard rotation (as the flagship's codes since it paid on dev), at the budgets
+# where the dense rotation's bytes count: the frontier's four lowest, then frontier_flagship's and frontier_lm32's two
+HADAMARD_CODES = tuple(spec("snapkv+turboquant", budgets, key_shift=1, rotation="hadamard")
+                       for budgets in ((0.03, 0.05, 0.1, 0.125), (0.05, 0.1)))
 PLAIN = "summary:by_budget=False"  # summary with its own defaults (before "summary" meant the flagship by budget)
 PERF = ("turboquant", "kivi", PLAIN, "summary+turboquant", "streaming_llm", "snapkv")
 GEMMA = ("full", "streaming_llm", "snapkv", "restkv", PLAIN, "turboquant", "kivi", "echokv", "lowrank")
 GEMMA_MORE = (("echokv", "lowrank"), ("turboquant:rotation=hadamard",), ("turboquant",),
               ("summary:cover=turboquant(bits=3),score=surprisal",
-               "summary:cover=turboquant(bits=3,rotation=hadamard),score=surprisal"))
+               "summary:cover=turboquant(bits=3,rotation=hadamard),score=surprisal"),
+              ("summary",))  # the flagship with no knobs, by budget
 
 
 def gemma_runs() -> tuple[tuple[str, ...], ...]:
     """The invocations merged into gemma.json, in the order they ran: per task the default methods, then the
-    calibrated methods, the Hadamard rotation, TurboQuant again, and the code covers."""
+    calibrated methods, the Hadamard rotation, TurboQuant again, the code covers, and the flagship by budget."""
     out = []
     for task, n in (("passkey", 6), ("multikey", 6), ("lm", 4)):
         out.append(("--task", task, "--n", str(n), "--methods", *GEMMA))
@@ -133,11 +138,14 @@ EXPERIMENTS = [
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
                "flagship by budget and the best quantization and eviction beside the full cache (four examples "
                "of each but cwe, which the full cache misses; three of them at 32k, the flagship and the full cache "
-               "only)", threads=1,
+               "only; at 0.10 snapkv and snapkv+turboquant)", threads=1,
                runs=(*(bf16(("full", "summary@0.25,0.1", LONG[3], "snapkv@0.25"), "--tasks", *tasks, "--lengths",
                              "16384", "--n", n) for tasks, n in ((LONG_TASKS, "1"), (ANSWERED, "4"))),
                      bf16(("full", "summary@0.25,0.1"), "--tasks", *LONG_TASKS[:2], "vt", "--lengths", "32768", "--n",
-                          "1"))),
+                          "1"),
+                     # eviction and SnapKV's selection as codes at 0.10 beside the flagship
+                     bf16(("snapkv@0.1", spec("snapkv+turboquant", (0.1,), key_shift=1)), "--tasks", *ANSWERED,
+                          "--lengths", "16384", "--n", "4"))),
     Experiment("long_codes_16k", "long", "long_suite", "the two dev examples at 16k where the flagship's cover misses "
                "what the full cache answers (a code uuid, a multiquery value): which key codes copy the value",
                threads=2, runs=tuple(bf16(CODE_PROBE, "--tasks", task, "--lengths", "16384", "--n", n, "--first", first,
@@ -173,7 +181,8 @@ EXPERIMENTS = [
                           for methods in (("full", COVER_CODES, "turboquant_rope_centered:bits=3.5@0.25"),
                                           ("full", "turboquant_rope_centered:bits=3.5,shorter=True@0.25")))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
-                 methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
+                 methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1),
+                          *(HADAMARD_CODES[:1] if length == 2048 else ())),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
       for name, length, n, n_lm, what in (
           ("frontier", 2048, 20, 8, "bytes held against passkey / multikey accuracy and lm KL at 2k, budgets 0.03-0.5: "
@@ -182,7 +191,8 @@ EXPERIMENTS = [
     Experiment("frontier_flagship", "frontier", "frontier", "the flagship (summary by budget) and each family's best "
                "at 2k on 50 retrieval examples a task and 8 lm windows at 0.25 / 0.10 / 0.05, the full cache beside",
                lengths=(2048,), n=50, threads=2,
-               methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1)),
+               methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1),
+                        HADAMARD_CODES[1]),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("frontier_cover_pre_rope_dev", "frontier", "frontier", "the flagship at 0.25 beside the same cover "
                "holding pca keys coded before RoPE (3.5 bits), 2k, dev seeds: whether the keys that copy values at 16k "
@@ -201,7 +211,8 @@ EXPERIMENTS = [
     Experiment("frontier_lm32", "frontier", "frontier", "lm KL alone on 32 test windows (frontier_flagship's 8 "
                "first) at 0.25 / 0.10 / 0.05: the flagship beside SnapKV's selection as codes and TurboQuant, where "
                "8 windows separate them by less than one window's spread", lengths=(2048,), n=0, threads=1,
-               methods=("summary", spec("snapkv+turboquant", (0.1, 0.05), key_shift=1), spec("turboquant", (0.25,))),
+               methods=("summary", spec("snapkv+turboquant", (0.1, 0.05), key_shift=1), spec("turboquant", (0.25,)),
+                        HADAMARD_CODES[1]),
                args=("--n-lm", "32", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("kl_positions", "frontier", "kl_positions", "lm KL by the continuation's position on dev seeds "
                "(where the flagship's KL lies at 0.1 / 0.05 beside SnapKV's selection as codes and codes alone; a "

@@ -45,7 +45,7 @@ def test_rows_say_what_summary_by_budget_became():
                [300], n=1, progress=False)
     auto, plain = rows
     # no sentences; 30 tokens' worth a head
-    chosen = "summary+turboquant:center=True,unbiased=values,entropy_allocation=False,bits=2"
+    chosen = "summary+turboquant:center=True,unbiased=values,entropy_allocation=False,bits=2,rotation=hadamard"
     assert auto["chosen"] == [chosen] and auto["examples"][0]["chosen"] == chosen
     assert "chosen" not in plain and _chosen(auto) == "by budget: " + chosen
 

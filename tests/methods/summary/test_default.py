@@ -46,6 +46,33 @@ def test_the_rule_orders_its_configurations_by_budget():
         assert c.method.choices(0.03, 100, True)[0].method is c.method
 
 
+def test_every_code_of_the_rule_takes_the_hadamard_rotation_where_the_head_dim_has_one():
+    """The dense rotation's d * d fp16 bytes a layer are bytes the codes' tokens do not get: the rule's codes (the
+    compositions', the covers') take the seeded-sign Hadamard rotation (d bytes) where the head dim is a power of
+    2, else the dense one; kvsum.compress passes the model's head dim, and at a budget where the dense rotation
+    costs a large share of the bytes the same budget holds more coded tokens."""
+    cover = default.choices(0.25, 2048, True, head_dim=64, key_bias=True)
+    assert [c.knobs["cover"].knobs["rotation"] for c in cover[:2]] == ["hadamard"] * 2
+    assert [c.method.cover.rotation for c in cover[:2]] == ["hadamard"] * 2
+    assert {**default.PRE_ROPE.knobs, "rotation": "hadamard"} == cover[0].knobs["cover"].knobs
+    for budget, tokens in ((0.1, 2048), (0.03, 2048)):
+        hd = default.choices(budget, tokens, True, head_dim=64)
+        dense = default.choices(budget, tokens, True)
+        assert [c.knobs.get("rotation") for c in hd] == ["hadamard"] * (len(hd) - 1) + [None]  # not summary's own
+        assert [c.knobs for c in dense] == [{k: v for k, v in c.knobs.items() if k != "rotation"} for c in hd]
+        assert hd[0].method.quant.rotation == "hadamard" and dense[0].method.quant.rotation == "qr"
+    no_h = [c.knobs for c in default.choices(0.1, 2048, True, head_dim=96)]  # no Hadamard matrix of order 96
+    assert no_h == [c.knobs for c in default.choices(0.1, 2048, True)]
+    model, ids, tok = tiny_llama(head_dim=64, heads=2, kv_heads=1), random_ids(600, 4), SentenceTokenizer()
+    ids = ids % len(SentenceTokenizer.chars)
+    cache = kvsum.compress(model, ids, method="summary", budget=0.1, tokenizer=tok)
+    assert cache.decision.knobs["rotation"] == "hadamard" and "Hadamard" in cache.decision.reason
+    dense = kvsum.compress(model, ids, method="summary+turboquant", budget=0.1, tokenizer=tok,
+                           **{k: v for k, v in cache.decision.knobs.items() if k != "rotation"})
+    kept = [sum(s.lengths()) for s in (cache.layers[0].state.parts[-1], dense.layers[0].state.parts[-1])]
+    assert kept[0] > kept[1] and cache.nbytes() <= 0.1 * cache.reference_nbytes * 1.02
+
+
 @pytest.mark.parametrize("budget, sentences, want", [(0.5, True, "summary"), (0.1, True, "summary+turboquant"),
                                                      (0.1, False, "summary+turboquant")])
 def test_bare_summary_is_the_configuration_the_rule_picks_bit_for_bit(budget, sentences, want):
@@ -77,10 +104,10 @@ def test_a_model_whose_keys_have_a_bias_gets_the_cover_coded_before_rope():
     model, ids = tiny_qwen2(), random_ids(1200, 7)
     assert ModelShape.of(model).key_bias and not ModelShape.of(tiny_llama()).key_bias
     cache = kvsum.compress(model, ids, method="summary", budget=0.3)
-    assert cache.decision.knobs == {"cover": default.PRE_ROPE, "score": "surprisal"}
+    assert cache.decision.knobs == default.hadamard(default.COVER_PRE_ROPE)[1]  # head dim 16: in the Hadamard rotation
     assert "before RoPE" in cache.decision.reason
     same = kvsum.compress(model, ids, method="summary", budget=0.3, **cache.decision.knobs)
-    rotated = kvsum.compress(model, ids, method="summary", budget=0.3, **default.COVER[1])
+    rotated = kvsum.compress(model, ids, method="summary", budget=0.3, **default.hadamard(default.COVER)[1])
     full = kvsum.compress(model, ids, method="full", budget=1.0)
     ref = _logits(model, full, 1200)
     assert torch.equal(_logits(model, cache, 1200), _logits(model, same, 1200))
