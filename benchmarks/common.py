@@ -87,6 +87,16 @@ def run_info(model: str | None, threads: int | None, **extra) -> dict:
     return {"experiment": CONTEXT["experiment"], **info, "commit": git_commit()}
 
 
+def keep_experiment(meta: dict, earlier: dict) -> dict:
+    """`meta` naming the experiment (and its `python -m benchmarks run` line) that `earlier`, the meta of the file
+    a direct invocation merges into, names: a rerun of some rows keeps the file the experiment's."""
+    for k in ("experiment", "run"):
+        meta[k] = meta.get(k) or earlier.get(k)
+    if meta["experiment"] and not meta["run"]:
+        meta["run"] = f"python -m benchmarks run {meta['experiment']}"
+    return meta
+
+
 def info_line(info: dict) -> str:
     """The meta as one markdown line."""
     return ", ".join(f"{k}: {v}" for k, v in info.items() if v is not None and not isinstance(v, list | dict))

@@ -23,7 +23,7 @@ from kvsum.errors import KVSumError
 from kvsum.eval import run
 from kvsum.methods import LayerInput, make_method
 
-from .common import CALIBRATED, arguments, calibrated, info_line, parse_method, run_info, start
+from .common import CALIBRATED, arguments, calibrated, info_line, keep_experiment, parse_method, run_info, start
 
 METHODS = ["full", "streaming_llm", "snapkv", "restkv", "summary", "turboquant", "kivi"]
 BUDGETS = [0.5, 0.25, 0.125]
@@ -112,9 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [r for r in old["runs"] if r.get("task") != args.task
             or not set(r.get("methods", METHODS)) <= set(args.methods)] + [info]
     order = {"passkey": 0, "multikey": 1, "lm": 2}
-    meta = {**info, "command": None, "commands": [r["command"] for r in runs]}
-    for k in ("experiment", "run"):  # a direct invocation merging into the experiment's file keeps its name
-        meta[k] = meta.get(k) or old.get("meta", {}).get(k)
+    meta = keep_experiment({**info, "command": None, "commands": [r["command"] for r in runs]}, old.get("meta", {}))
     data = {"meta": meta,
             "rows": sorted(keep + rows, key=lambda r: order[r["task"]]),
             "runs": sorted(runs, key=lambda r: order[r["task"]])}

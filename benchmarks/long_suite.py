@@ -177,7 +177,7 @@ def merge(js: Path, recs: list[dict], args) -> None:
 
 
 def _merge(js: Path, recs: list[dict], args) -> None:
-    from .common import commands_with, recorded_commands, run_info
+    from .common import commands_with, keep_experiment, recorded_commands, run_info
 
     data = _load(js)
 
@@ -190,10 +190,7 @@ def _merge(js: Path, recs: list[dict], args) -> None:
     meta = run_info(args.model, args.threads, seed=args.seed, split="test" if args.seed < 1000 else "dev",
                     dtype=args.dtype, chat=args.chat)
     meta["commands"] = commands_with(recorded_commands(data["meta"]), args.command)
-    for k in ("experiment", "run"):
-        meta[k] = meta.get(k) or data["meta"].get(k)
-    if meta["experiment"] and not meta["run"]:
-        meta["run"] = f"python -m benchmarks run {meta['experiment']}"
+    keep_experiment(meta, data["meta"])
     rows = aggregate(records)
     tmp = js.with_suffix(".tmp")
     tmp.write_text(json.dumps({"meta": meta, "rows": rows, "records": records}, indent=1) + "\n")

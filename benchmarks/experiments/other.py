@@ -9,10 +9,9 @@ COMPOSED = "summary+turboquant"
 PRE_ROPE_COVER = tq(bits=3.5, key_basis="pca", pre_rope=True, unbiased="values", skew=0)
 SENTENCES = dict(score="sentence", key_shift=1, center=True, entropy_allocation=False)
 
-# SnapKV's selection as codes in the Hadamard rotation (as the flagship's codes since it paid on dev), at the budgets
-# where the dense rotation's bytes count: the frontier's four lowest, then frontier_flagship's and frontier_lm32's two
-HADAMARD_CODES = tuple(spec("snapkv+turboquant", budgets, key_shift=1, rotation="hadamard")
-                       for budgets in ((0.03, 0.05, 0.1, 0.125), (0.05, 0.1)))
+# SnapKV's selection as codes in the Hadamard rotation (as the flagship's codes since it paid on dev), measured at the
+# budgets where the dense rotation's bytes count
+SNAPKV_HADAMARD = dict(key_shift=1, rotation="hadamard")
 PLAIN = "summary:by_budget=False"  # summary with its own defaults (before "summary" meant the flagship by budget)
 PERF = ("turboquant", "kivi", PLAIN, "summary+turboquant", "streaming_llm", "snapkv")
 GEMMA = ("full", "streaming_llm", "snapkv", "restkv", PLAIN, "turboquant", "kivi", "echokv", "lowrank")
@@ -182,7 +181,8 @@ EXPERIMENTS = [
                                           ("full", "turboquant_rope_centered:bits=3.5,shorter=True@0.25")))),
     *[Experiment(name, "frontier", "frontier", what, lengths=(length,), n=n, threads=1,
                  methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1),
-                          *(HADAMARD_CODES[:1] if length == 2048 else ())),
+                          *([spec("snapkv+turboquant", (0.03, 0.05, 0.1, 0.125), **SNAPKV_HADAMARD)]
+                            if length == 2048 else [])),
                  args=("--n-lm", str(n_lm), "--budgets", "0.03", "0.05", "0.1", "0.125", "0.25", "0.5", "--seed", "0"))
       for name, length, n, n_lm, what in (
           ("frontier", 2048, 20, 8, "bytes held against passkey / multikey accuracy and lm KL at 2k, budgets 0.03-0.5: "
@@ -192,7 +192,7 @@ EXPERIMENTS = [
                "at 2k on 50 retrieval examples a task and 8 lm windows at 0.25 / 0.10 / 0.05, the full cache beside",
                lengths=(2048,), n=50, threads=2,
                methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1),
-                        HADAMARD_CODES[1]),
+                        spec("snapkv+turboquant", (0.05, 0.1), **SNAPKV_HADAMARD)),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("frontier_cover_pre_rope_dev", "frontier", "frontier", "the flagship at 0.25 beside the same cover "
                "holding pca keys coded before RoPE (3.5 bits), 2k, dev seeds: whether the keys that copy values at 16k "
@@ -212,7 +212,7 @@ EXPERIMENTS = [
                "first) at 0.25 / 0.10 / 0.05: the flagship beside SnapKV's selection as codes and TurboQuant, where "
                "8 windows separate them by less than one window's spread", lengths=(2048,), n=0, threads=1,
                methods=("summary", spec("snapkv+turboquant", (0.1, 0.05), key_shift=1), spec("turboquant", (0.25,)),
-                        HADAMARD_CODES[1]),
+                        spec("snapkv+turboquant", (0.05, 0.1), **SNAPKV_HADAMARD)),
                args=("--n-lm", "32", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("kl_positions", "frontier", "kl_positions", "lm KL by the continuation's position on dev seeds "
                "(where the flagship's KL lies at 0.1 / 0.05 beside SnapKV's selection as codes and codes alone; a "
