@@ -96,6 +96,7 @@ class Method:
     summary: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False  # whether compress reads LayerInput.queries
     composed_defaults: ClassVar[dict] = {}  # knob values a composition's part starts from unless given
+    entry_bias: ClassVar[bool] = False  # compress's entries carry a log-mass bias (a composition codes them beside)
 
     def plan(self, inputs: list[LayerInput], budget: float) -> Plan:
         """This prompt's plan over its layers: the same fraction of every layer's bytes by default."""

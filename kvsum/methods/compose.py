@@ -258,7 +258,7 @@ class Composed(Method):
         if light is not None and self._quant_nbytes(x, 1, True, ragged, quant, shift) > x.budget_bytes >= \
                 self._quant_nbytes(x, 1, True, ragged, light, shift):
             quant, note = light, self.quant.lighter_note()
-        bias = True  # assume fitted entries with biases; redo once without if the first method keeps plain ones
+        bias = self.first.entry_bias  # fitted entries' biases; redo once without if the first keeps plain ones
         target = self._target(x, bias, ragged, quant, shift)
         for _ in range(3):  # entry counts of ragged heads differ a little from the estimate: shrink if over
             kept = self.first.compress(dataclasses.replace(x, budget_bytes=target), first_plan)

@@ -234,10 +234,10 @@ class Summary(Method):
             notes = [planned.note, quant.lighter_note() if quant is not planned.cover else ""]
             state.note = "; ".join(dict.fromkeys(n for n in notes if n))
             return state
+        biases = None if not self.entry_bias else [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]])
+                                           for a, s, _ in heads]
         entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in heads],
-                             [torch.cat([a[1], s[2]]) for a, s, _ in heads],
-                             [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]]) for a, s, _ in heads],
-                             dtype=x.storage)
+                             [torch.cat([a[1], s[2]]) for a, s, _ in heads], biases, dtype=x.storage)
         lowrank = [lr for _, _, lr in heads]
         state = ConcatState([entries, LowRankState(lowrank, x.storage)]) if any(len(k) for k, _, _ in lowrank) \
             else entries
@@ -246,6 +246,12 @@ class Summary(Method):
             state.note = note
         return state
 
+    @property
+    def entry_bias(self) -> bool:
+        """Fitted summaries carry a log-mass bias; with anchor_share=1 every entry is an exact anchor and none is
+        stored (an all-zero fp16 bias costs 2 bytes an entry: at head dim 64, 4% of a 3-bit coded one)."""
+        return self.anchor_share < 1
+
     def _cover(self, x: LayerInput, shift: int = 0, quant: Quantizer | None = None):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover (cover.py)."""
         return make_cover(x, quant, shift, self.sinks, self.cover_share, self.key_share)
@@ -253,7 +259,7 @@ class Summary(Method):
     def _head(self, x: LayerInput, h: int, budget: int, info=None, votes=None, anchors_only: bool = False):
         T, d, elem = x.T, x.d, x.storage.itemsize
         # key + value, and the bias slot summaries need or the index by which a cover skips an anchor
-        entry = (2 * d + int(not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
+        entry = (2 * d + int(self.entry_bias and not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
         q, pos = group_queries(x, h, self.max_refs)
         importance = scores.importance(x, q, pos, h, info, self.score)
         if votes is not None:

@@ -56,3 +56,22 @@ def test_entropy_allocation_spreads_bytes_and_keeps_the_budget(tiny, ids):
     assert cache.nbytes() <= 0.27 * cache.reference_nbytes
     lengths = [n for layer in cache.layers for n in layer.state.lengths()]
     assert len(set(lengths)) > 1  # heads and layers no longer hold equal shares
+
+
+def test_anchors_alone_hold_no_bias_and_spend_its_bytes_on_entries(monkeypatch):
+    """anchor_share=1 keeps no fitted summary, so no entry needs a log-mass bias: none is stored, and the bytes an
+    all-zero bias would take hold more anchors (alone and as a composition's codes, selected once, not again to
+    find out that no bias came back)."""
+    x = reference_layer(T=400, budget=0.3)
+    calls = []
+    compress = Summary.compress
+    monkeypatch.setattr(Summary, "compress", lambda self, *a, **k: calls.append(1) or compress(self, *a, **k))
+    plain = Summary(score="surprisal", anchor_share=1.0, entropy_allocation=False).compress(x)
+    fitted = Summary(score="surprisal", anchor_share=0.99, entropy_allocation=False).compress(x)
+    assert plain.bias is None and fitted.bias is not None
+    assert plain.nbytes() <= x.budget_bytes
+    assert sum(plain.lengths()) > sum(fitted.lengths())
+    composed = make_method("summary+turboquant", score="surprisal", summary_anchor_share=1.0, bits=3,
+                           entropy_allocation=False).compress(x)
+    assert composed.parts[-1].bias is None and composed.nbytes() <= x.budget_bytes  # the sinks exact, then codes
+    assert len(calls) == 3  # plain, fitted, and the composition's one selection
