@@ -234,8 +234,8 @@ class Summary(Method):
             notes = [planned.note, quant.lighter_note() if quant is not planned.cover else ""]
             state.note = "; ".join(dict.fromkeys(n for n in notes if n))
             return state
-        biases = None if not self.entry_bias else [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]])
-                                           for a, s, _ in heads]
+        biases = [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]]) for a, s, _ in heads] \
+            if self.entry_bias else None
         entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in heads],
                              [torch.cat([a[1], s[2]]) for a, s, _ in heads], biases, dtype=x.storage)
         lowrank = [lr for _, _, lr in heads]
