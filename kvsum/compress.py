@@ -63,7 +63,7 @@ def compress_prefill(pre: Prefill, method: Method, budget: float, storage_dtype=
                          f"got {type(method).__name__}")
     budget, storage_dtype = check_budget(budget), check_storage(storage_dtype)
     pre = check_prefill(pre)
-    choices = method.choices(budget, pre.tokens, pre.sentence_ends is not None, pre.shape.key_bias, pre.shape.head_dim)
+    choices = method.choices(budget, pre.tokens, pre.sentence_ends is not None, pre.shape)
     skipped = []
     for k, c in enumerate(choices):
         try:  # a configuration that does not fit fails before it frees anything (_compress builds all states first)

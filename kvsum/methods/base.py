@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..state import EntryState, LayerState
+
+if TYPE_CHECKING:
+    from ..shape import ModelShape
 
 
 @dataclass
@@ -115,12 +118,11 @@ class Method:
         """Extra signals this method needs from kvsum.prefill (e.g. {"repeat": True})."""
         return {}
 
-    def choices(self, budget: float, tokens: int, sentences: bool, key_bias: bool = False,
-                head_dim: int = 0) -> list[Choice]:
+    def choices(self, budget: float, tokens: int, sentences: bool, shape: ModelShape | None = None) -> list[Choice]:
         """The configurations this method stands for at `budget` on a `tokens`-token prompt (`sentences`: the
-        prefill marks sentence ends; `key_bias`: the model's key projection has a bias, ModelShape.key_bias;
-        `head_dim`: ModelShape.head_dim, 0 where unknown), best first; kvsum.compress takes the first that fits.
-        A configured method stands for itself; `summary` with no knobs is configured by budget (summary/default.py)."""
+        prefill marks sentence ends; `shape`: the model's, None where unknown), best first; kvsum.compress takes
+        the first that fits. A configured method stands for itself; `summary` with no knobs is configured by budget
+        (summary/default.py)."""
         return [Choice(self, self.name, {}, "")]
 
     def stream(self, layer_idx: int, state: LayerState):

@@ -42,9 +42,14 @@ summary's own defaults come last.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...spec import Spec
 from ..base import Choice
 from ..registry import make_method
+
+if TYPE_CHECKING:
+    from ...shape import ModelShape
 
 COVER_FROM = 0.25
 TWO_BITS_BELOW = 80  # 16-bit tokens' worth a head, between those measured (61: 2 bits better; 102 and 123: 3)
@@ -81,11 +86,11 @@ def hadamard(row: tuple[str, dict, str]) -> tuple[str, dict, str]:
     return name, knobs, why + ", in the seeded-sign Hadamard rotation (d bytes a layer, not d * d)"
 
 
-def rows(budget: float, tokens: int, sentences: bool, key_bias: bool = False,
-         head_dim: int = 0) -> list[tuple[str, dict, str]]:
+def rows(budget: float, tokens: int, sentences: bool, shape: ModelShape | None = None) -> list[tuple[str, dict, str]]:
     """(method, knobs, why) in the rule's order at `budget` of a `tokens`-token prompt (`sentences`: the prefill
-    marks sentence ends; `key_bias`: the model's key projection has a bias; `head_dim`: every code is in the
-    Hadamard rotation where it is a power of 2)."""
+    marks sentence ends; `shape`: the model's, None where unknown: where its key projection has a bias the cover's
+    keys are coded before RoPE, and every code is in the Hadamard rotation where its head dim has the matrix)."""
+    key_bias, head_dim = (shape.key_bias, shape.head_dim) if shape is not None else (False, 0)
     top = ([COVER_PRE_ROPE, COVER] if key_bias else [COVER]) if budget >= COVER_FROM else []
     held = budget * tokens  # 16-bit tokens' worth of bytes a head
     two = held < TWO_BITS_BELOW
@@ -99,12 +104,12 @@ def rows(budget: float, tokens: int, sentences: bool, key_bias: bool = False,
     return [*(map(hadamard, coded) if light else coded), PLAIN]
 
 
-def choices(budget: float, tokens: int, sentences: bool, key_bias: bool = False, head_dim: int = 0) -> list[Choice]:
+def choices(budget: float, tokens: int, sentences: bool, shape: ModelShape | None = None) -> list[Choice]:
     """The rule's configurations at `budget` of a `tokens`-token prompt, built, best first (kvsum.compress takes
     the first that fits)."""
     where = f"summary configured by budget ({budget:g} {'>=' if budget >= COVER_FROM else '<'} {COVER_FROM})"
     out = []
-    for name, knobs, why in rows(budget, tokens, sentences, key_bias, head_dim):
+    for name, knobs, why in rows(budget, tokens, sentences, shape):
         why += " (no tokenizer to find sentences)" if not sentences and name == CODES[0] else ""
         out.append(Choice(make_method(name, **knobs), name, dict(knobs), f"{where}: {why}"))
     return out

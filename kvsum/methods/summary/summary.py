@@ -117,11 +117,10 @@ class Summary(Method):
             raise KVSumError(f"key_mode must be 'max' or 'mean', got {self.key_mode!r}")
         check_cover(self.cover)
 
-    def choices(self, budget: float, tokens: int, sentences: bool, key_bias: bool = False,
-                head_dim: int = 0) -> list[Choice]:
+    def choices(self, budget: float, tokens: int, sentences: bool, shape=None) -> list[Choice]:
         if self.by_budget and self == Summary():  # no knob of the user's: configured by budget (default.py)
-            return default.choices(budget, tokens, sentences, key_bias, head_dim)
-        return super().choices(budget, tokens, sentences, key_bias, head_dim)
+            return default.choices(budget, tokens, sentences, shape)
+        return super().choices(budget, tokens, sentences, shape)
 
     def prefill_options(self) -> dict:
         if self.by_budget and self == Summary():  # what any configuration of the rule needs

@@ -6,9 +6,15 @@ import torch
 import kvsum
 from kvsum.methods import make_method, prefill_needs
 from kvsum.methods.summary import default
+from kvsum.shape import ModelShape
 from tests.helpers import SentenceTokenizer, random_ids, tiny_llama, tiny_qwen2
 
 QUERY = torch.tensor([[5, 6, 7, 8]])
+
+
+def _shape(head_dim: int = 64, key_bias: bool = False) -> ModelShape:
+    """A model's shape as kvsum.compress passes it to the rule: only the head dim and the key bias are read."""
+    return ModelShape(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_len=8192, scales=[1.0], key_bias=key_bias)
 
 
 def _logits(model, cache, T):
@@ -51,17 +57,17 @@ def test_every_code_of_the_rule_takes_the_hadamard_rotation_where_the_head_dim_h
     compositions', the covers') take the seeded-sign Hadamard rotation (d bytes) where the head dim is a power of
     2, else the dense one; kvsum.compress passes the model's head dim, and at a budget where the dense rotation
     costs a large share of the bytes the same budget holds more coded tokens."""
-    cover = default.choices(0.25, 2048, True, head_dim=64, key_bias=True)
+    cover = default.choices(0.25, 2048, True, _shape(key_bias=True))
     assert [c.knobs["cover"].knobs["rotation"] for c in cover[:2]] == ["hadamard"] * 2
     assert [c.method.cover.rotation for c in cover[:2]] == ["hadamard"] * 2
     assert {**default.PRE_ROPE.knobs, "rotation": "hadamard"} == cover[0].knobs["cover"].knobs
     for budget, tokens in ((0.1, 2048), (0.03, 2048)):
-        hd = default.choices(budget, tokens, True, head_dim=64)
+        hd = default.choices(budget, tokens, True, _shape())
         dense = default.choices(budget, tokens, True)
         assert [c.knobs.get("rotation") for c in hd] == ["hadamard"] * (len(hd) - 1) + [None]  # not summary's own
         assert [c.knobs for c in dense] == [{k: v for k, v in c.knobs.items() if k != "rotation"} for c in hd]
         assert hd[0].method.quant.rotation == "hadamard" and dense[0].method.quant.rotation == "qr"
-    no_h = [c.knobs for c in default.choices(0.1, 2048, True, head_dim=96)]  # no Hadamard matrix of order 96
+    no_h = [c.knobs for c in default.choices(0.1, 2048, True, _shape(96))]  # no Hadamard matrix of order 96
     assert no_h == [c.knobs for c in default.choices(0.1, 2048, True)]
     model, ids, tok = tiny_llama(head_dim=64, heads=2, kv_heads=1), random_ids(600, 4), SentenceTokenizer()
     ids = ids % len(SentenceTokenizer.chars)
@@ -95,11 +101,10 @@ def test_a_model_whose_keys_have_a_bias_gets_the_cover_coded_before_rope():
     the rotated cover next (a RoPE kvsum cannot read); below the cover's budgets and on Llama nothing changes.
     Bare summary on a random Qwen2 picks it, bit for bit the configuration asked for by name, and on that model
     (keys less a large bias, turned with the position) it reads the continuation closer than the rotated cover."""
-    from kvsum.shape import ModelShape
-    assert [c.knobs for c in default.choices(0.25, 2048, True, key_bias=True)][:2] == [
+    assert [c.knobs for c in default.choices(0.25, 2048, True, _shape(96, key_bias=True))][:2] == [
         {"cover": default.PRE_ROPE, "score": "surprisal"}, default.COVER[1]]
     assert [c.knobs for c in default.choices(0.25, 2048, True)][0] == default.COVER[1]
-    assert ([c.knobs for c in default.choices(0.1, 2048, True, key_bias=True)]
+    assert ([c.knobs for c in default.choices(0.1, 2048, True, _shape(96, key_bias=True))]
             == [c.knobs for c in default.choices(0.1, 2048, True)])
     model, ids = tiny_qwen2(), random_ids(1200, 7)
     assert ModelShape.of(model).key_bias and not ModelShape.of(tiny_llama()).key_bias
