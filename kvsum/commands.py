@@ -156,7 +156,8 @@ def cmd_eval(args) -> None:
     t = time.time()
     rows = run(model, tok, task, [(s.name, s.knobs) for s in specs], bs, lengths, args.n, seed=args.seed,
                progress=True)
-    js, md = write(rows, out / f"eval_{args.task}", args.model, command_line(args), dtype=args.dtype, chat=args.chat)
+    stem = f"eval_{args.task}" + ("_chat" if args.chat else "")  # both formats of a task can share a folder
+    js, md = write(rows, out / stem, args.model, command_line(args), dtype=args.dtype, chat=args.chat)
     print(md.read_text())
     print(f"wrote {js} and {md} in {time.time() - t:.0f} s")
 

@@ -151,7 +151,7 @@ def test_eval_chat_is_for_the_suite_tasks_and_reaches_them(capsys, monkeypatch, 
     assert "chat prompts are for the long-context suite's tasks" in capsys.readouterr().err
     assert main(["eval", "--method", "full", "--task", "niah_single", "--chat", "--dtype", "bf16", "--lengths", "600",
                  "--n", "1", "--out", str(tmp_path / "n")]) == 0
-    info = json.loads((tmp_path / "n" / "eval_niah_single.json").read_text())["meta"]
+    info = json.loads((tmp_path / "n" / "eval_niah_single_chat.json").read_text())["meta"]
     assert info["chat"] is True and info["dtype"] == "bf16" and got["dtype"] is torch.bfloat16 and got["templated"]
 
 

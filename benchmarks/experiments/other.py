@@ -12,6 +12,7 @@ SENTENCES = dict(score="sentence", key_shift=1, center=True, entropy_allocation=
 # SnapKV's selection as codes in the Hadamard rotation (as the flagship's codes since it paid on dev), measured at the
 # budgets where the dense rotation's bytes count
 SNAPKV_HADAMARD = dict(key_shift=1, rotation="hadamard")
+SNAPKV_CODES = spec("snapkv+turboquant", **SNAPKV_HADAMARD)
 PLAIN = "summary:by_budget=False"  # summary with its own defaults (before "summary" meant the flagship by budget)
 PERF = ("turboquant", "kivi", PLAIN, "summary+turboquant", "streaming_llm", "snapkv")
 GEMMA = ("full", "streaming_llm", "snapkv", "restkv", PLAIN, "turboquant", "kivi", "echokv", "lowrank")
@@ -96,6 +97,15 @@ EXPERIMENTS = [
                  f"({task}, 2k)", part="eval", out="dir",
                  args=("--method", f"full,{PLAIN},summary+turboquant:score=sentence,key_shift=1", "--budget", "0.1",
                        "--task", task, "--lengths", "2048", "--n", "10")) for task in ("passkey", "multikey")],
+    *[Experiment(f"eval_{task}{suffix}", "formats", "kvsum", "a prompt format no choice was made on: RULER's NIAH "
+                 f"single on SmolLM2 at 2k, {what}, test seeds: the flagship by budget, "
+                 "SnapKV and SnapKV's selection as codes at 0.25 / 0.10 / 0.05 beside the full cache", part="eval",
+                 out="dir", args=("--method", ",".join(("full", "summary", "snapkv", SNAPKV_CODES)), "--budget",
+                                  "0.25,0.1,0.05", "--task", task, "--lengths", "2048", "--n", "20", "--seed", "0",
+                                  *flag))
+      for task, suffix, what, flag in (("niah_single", "", "prose, plain text (number / word / uuid values)", ()),
+                                       ("niah_single", "_chat", "prose, the chat template", ("--chat",)),
+                                       ("niah_single_code", "", "a haystack of Python sources (code facts)", ()))],
     Experiment("breakeven", "perf", "kvsum", "the policy's break-even table (kvsum bench breakeven)",
                part="bench breakeven", threads=2),
     Experiment("reconstruct", "reconstruct", "reconstruct", "calibration cost and per-layer reconstruction error",

@@ -1,10 +1,10 @@
 """Composition: `method="a+b"` keeps what method `a` (eviction or summary) selects and stores it with quantizer `b`.
 
 One byte budget covers the total. Quantized entries are cheaper than 16-bit ones, so `a` is given the
-budget of as many 16-bit entries (with a bias) as the quantized entries (+ their fp16 bias) fit in the
-layer's bytes; the quantizer runs at a fixed bit width (its `bits`, else its `default_bits`). Summary
-entries' log-mass biases stay in fp16. Knobs are routed to the part that declares them by make_method
-(kvsum/methods/registry.py). Decoded tokens are quantized by `b`'s stream into a second state beside it.
+budget of as many 16-bit entries as the quantized entries fit in the layer's bytes, each with an fp16
+log-mass bias where `a`'s entries carry one (its `entry_bias`: summary's fitted summaries); the quantizer
+runs at a fixed bit width (its `bits`, else its `default_bits`). Knobs are routed to the part that declares
+them by make_method (kvsum/methods/registry.py). Decoded tokens are quantized by `b`'s stream beside it.
 
 The quantizer codes every entry `a` keeps: what stays exact is `a`'s choice, so the quantizer's own exact
 prompt tokens (its `exact_knobs`) are refused here. A quantizer's key shift (key bits moved from the most
@@ -197,9 +197,9 @@ class Composed(Method):
         return ComposedPlan(tuple(budgets), shifts, first)
 
     def _least(self, x: LayerInput, shift: int) -> int:
-        """The fewest bytes layer x can hold: one entry per head with a bias, by the lighter quantizer if any."""
+        """The fewest bytes layer x can hold: one entry per head (its bias, if any), by the lighter quantizer if any."""
         quant = self.quant.lighter(x.d) or self.quant
-        return min(self._quant_nbytes(x, 1, True, False, q, shift) for q in (self.quant, quant))
+        return min(self._quant_nbytes(x, 1, self.first.entry_bias, False, q, shift) for q in (self.quant, quant))
 
     def compress(self, x: LayerInput, plan: Plan | None = None) -> ComposedState:
         """One layer alone (no earlier layer of the prompt kept ragged heads)."""
@@ -254,11 +254,11 @@ class Composed(Method):
             state.note = f"entries kept unquantized: {self.quant.name}'s fixed costs exceed the layer's full bytes"
             return state, ragged
         quant, note = self.quant, ""
-        light = self.quant.lighter(x.d)
-        if light is not None and self._quant_nbytes(x, 1, True, ragged, quant, shift) > x.budget_bytes >= \
-                self._quant_nbytes(x, 1, True, ragged, light, shift):
-            quant, note = light, self.quant.lighter_note()
         bias = self.first.entry_bias  # fitted entries' biases; redo once without if the first keeps plain ones
+        light = self.quant.lighter(x.d)
+        if light is not None and self._quant_nbytes(x, 1, bias, ragged, quant, shift) > x.budget_bytes >= \
+                self._quant_nbytes(x, 1, bias, ragged, light, shift):
+            quant, note = light, self.quant.lighter_note()
         target = self._target(x, bias, ragged, quant, shift)
         for _ in range(3):  # entry counts of ragged heads differ a little from the estimate: shrink if over
             kept = self.first.compress(dataclasses.replace(x, budget_bytes=target), first_plan)

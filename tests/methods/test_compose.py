@@ -1,5 +1,7 @@
 """Composition "method+quantizer": one budget over the quantized entries, knob routing, exact attention."""
 
+import math
+
 import pytest
 import torch
 
@@ -133,3 +135,17 @@ def test_the_newest_tokens_stay_exact_beside_the_codes_with_recent_exact():
     assert caches[8].nbytes() <= 0.125 * caches[8].reference_nbytes * 1.01
     with pytest.raises(kvsum.KVSumError, match="recent_exact must be in"):
         make_method("summary+turboquant", summary_recent_exact=40)
+
+
+def test_the_refusal_names_what_one_plain_entry_per_head_needs_and_that_budget_compresses():
+    """SnapKV's entries carry no bias: the smallest budget is one entry per head of the lighter (Hadamard) codes,
+    with no bias counted, and it compresses (the lighter codes chosen by the same count)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    H, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    one = make_method("turboquant").lighter(d).nbytes(H, 1, d, 3.0)
+    least = math.ceil(1000 * one / (2 * H * 200 * d * 2)) / 1000
+    with pytest.raises(kvsum.KVSumError, match=f"the smallest budget that fits: {least:.3f}$"):
+        kvsum.compress(model, ids, method="snapkv+turboquant", budget=least - 0.002)
+    cache = kvsum.compress(model, ids, method="snapkv+turboquant", budget=least)
+    assert cache.nbytes() <= least * cache.reference_nbytes and min(cache.layers[0].lengths()) >= 1
