@@ -23,7 +23,9 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
      at 3 bits a 64-token recent window, its newest 8 tokens exact beside the codes (LOCAL: the next tokens
      read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
-     sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte);
+     sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte), and
+     keys one bit wider than values (skew=1: 4 and 2 bits; a logit error moves the attention over every token, a
+     value error only its own token's share of the output, which the unbiased values no longer shrink);
      where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (b x T) the codes are
      2-bit (more tokens kept, each coarser), with summary's own 32-token window, none exact: the window is a fixed
      count of tokens, so at 0.03 of a 2k prompt's bytes (61 tokens' worth) it and its exact tokens take a third of
@@ -65,11 +67,12 @@ CODED = {"center": True, **UNBIASED, "entropy_allocation": False}
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 # the sentence composition at 3 bits: what the next tokens read (the window, SnapKV's vote) beside the sentences
-LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0, "summary_attention_share": 0.3}
+LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0, "summary_attention_share": 0.3,
+         "skew": 1}
 SENTENCES_LOCAL = (SENTENCES[0], {**SENTENCES[1], **LOCAL}, SENTENCES[2] + f", a {LOCAL['summary_window']}-token "
                    f"window, its newest {LOCAL['summary_recent_exact']} tokens exact, "
                    f"{LOCAL['summary_attention_share']:.0%} of the anchors by the observation window's vote "
-                   "instead of fitted summaries")
+                   "instead of fitted summaries, keys 4-bit and values 2-bit (skew=1)")
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
