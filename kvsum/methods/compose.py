@@ -254,7 +254,7 @@ class Composed(Method):
             state.note = f"entries kept unquantized: {self.quant.name}'s fixed costs exceed the layer's full bytes"
             return state, ragged
         quant, note = self.quant, ""
-        bias = self.first.entry_bias  # fitted entries' biases; redo once without if the first keeps plain ones
+        bias = self.first.entry_bias  # fitted entries' biases (summary's), declared so that it selects once
         light = self.quant.lighter(x.d)
         if light is not None and self._quant_nbytes(x, 1, bias, ragged, quant, shift) > x.budget_bytes >= \
                 self._quant_nbytes(x, 1, bias, ragged, light, shift):
@@ -262,18 +262,16 @@ class Composed(Method):
         target = self._target(x, bias, ragged, quant, shift)
         for _ in range(3):  # entry counts of ragged heads differ a little from the estimate: shrink if over
             kept = self.first.compress(dataclasses.replace(x, budget_bytes=target), first_plan)
-            if not isinstance(kept, EntryState):
-                raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__}; only key/value "
-                                 "entries can be quantized (for summary: lowrank_share=0)")
+            if not isinstance(kept, EntryState) or (kept.bias is not None) != bias:
+                raise KVSumError(f"{self.name}: {self.first.name} returned a {type(kept).__name__} (entry_bias="
+                                 f"{bias}); only key/value entries, biased as declared, can be quantized (for summary: "
+                                 "lowrank_share=0)")
             exact, kept = split_exact(kept, x.keys, x.values, *self._exact(x))
             state = self.quantize(kept, x, quant, shift, note)
             if exact is not None:
                 state = ConcatState([exact, state])
                 state.note = note
             ragged = ragged or not kept.uniform  # count the head index from now on (see _quant_nbytes)
-            if bias and kept.bias is None:
-                bias, target = False, self._target(x, False, ragged, quant, shift)
-                continue
             if state.nbytes() <= x.budget_bytes:
                 break
             target = int(target * 0.98 * x.budget_bytes / state.nbytes())
