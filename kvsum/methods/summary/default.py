@@ -23,7 +23,9 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
      at 3 bits a 64-token recent window, its newest 8 tokens exact beside the codes (LOCAL: the next tokens
      read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
-     sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte), and
+     sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte), 45
+     in 100 below 0.1 of the bytes (VOTE_LOW: the fewer tokens held, the more of the continuation's error is what
+     the vote would keep, where the sentences' facts held at 3 in 10 hold as well at 45 in 100), and
      keys one bit wider than values (skew=1: 4 and 2 bits; a logit error moves the attention over every token, a
      value error only its own token's share of the output, which the unbiased values no longer shrink);
      where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (b x T) the codes are
@@ -67,12 +69,19 @@ CODED = {"center": True, **UNBIASED, "entropy_allocation": False}
 SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED},
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 # the sentence composition at 3 bits: what the next tokens read (the window, SnapKV's vote) beside the sentences
-LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0, "summary_attention_share": 0.3,
-         "skew": 1}
-SENTENCES_LOCAL = (SENTENCES[0], {**SENTENCES[1], **LOCAL}, SENTENCES[2] + f", a {LOCAL['summary_window']}-token "
-                   f"window, its newest {LOCAL['summary_recent_exact']} tokens exact, "
-                   f"{LOCAL['summary_attention_share']:.0%} of the anchors by the observation window's vote "
-                   "instead of fitted summaries, keys 4-bit and values 2-bit (skew=1)")
+LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0}
+VOTE, VOTE_LOW, VOTE_MORE_BELOW = 0.3, 0.45, 0.1  # the vote's share of the anchors; below 0.1 of the bytes the larger
+
+
+def local(share: float) -> tuple[str, dict, str]:
+    """The sentence composition at 3 bits with `share` of the anchors by the observation window's vote."""
+    return (SENTENCES[0], {**SENTENCES[1], **LOCAL, "summary_attention_share": share, "skew": 1},
+            SENTENCES[2] + f", a {LOCAL['summary_window']}-token window, its newest {LOCAL['summary_recent_exact']} "
+            f"tokens exact, {share:.0%} of the anchors by the observation window's vote instead of fitted summaries, "
+            "keys 4-bit and values 2-bit (skew=1)")
+
+
+SENTENCES_LOCAL, SENTENCES_LOCAL_LOW = local(VOTE), local(VOTE_LOW)
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
@@ -97,7 +106,8 @@ def rows(budget: float, tokens: int, sentences: bool, shape: ModelShape | None =
     top = ([COVER_PRE_ROPE, COVER] if key_bias else [COVER]) if budget >= COVER_FROM else []
     held = budget * tokens  # 16-bit tokens' worth of bytes a head
     two = held < TWO_BITS_BELOW
-    codes = [SENTENCES if two else SENTENCES_LOCAL] if sentences else []
+    local_row = SENTENCES_LOCAL if budget >= VOTE_MORE_BELOW else SENTENCES_LOCAL_LOW
+    codes = [SENTENCES if two else local_row] if sentences else []
     codes.append(CODES)
     if two:
         why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"

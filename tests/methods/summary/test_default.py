@@ -41,11 +41,14 @@ def test_the_rule_orders_its_configurations_by_budget():
     low = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=False)]
     assert low == [("summary+turboquant", {"center": True, **unbiased, "entropy_allocation": False}),
                    ("summary", {"by_budget": False})]  # no cover, no sentences
-    assert default.choices(0.05, 2048, True)[0].knobs == top[1][1]  # 102 tokens' worth a head: 3 bits, the window
+    low_vote = {**top[1][1], "summary_attention_share": 0.45}  # below 0.1 of the bytes the vote takes more anchors
+    assert default.choices(0.05, 2048, True)[0].knobs == low_vote  # 102 tokens' worth a head: 3 bits, the window
+    assert default.choices(0.0999, 4096, True)[0].method.first.attention_share == 0.45
+    assert default.choices(0.1, 4096, True)[0].method.first.attention_share == 0.3
     two = default.choices(0.03, 2048, sentences=True)  # 61 tokens' worth, under TWO_BITS_BELOW: the codes are 2-bit
     assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
     assert "61 < 80 tokens' worth" in two[0].why
-    assert default.choices(0.03, 4096, True)[0].knobs == top[1][1]  # the same budget of a longer prompt: 3 bits
+    assert default.choices(0.03, 4096, True)[0].knobs == low_vote  # the same budget of a longer prompt: 3 bits
     assert default.choices(0.1, 700, True)[0].knobs.get("bits") == 2  # and a tenth of a short one: 2 bits
     two_first = two[0].method.first
     assert (two_first.window, two_first.recent_exact, two_first.attention_share) == (32, 0, 0)  # 2 bits: sentences
