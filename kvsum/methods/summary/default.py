@@ -25,7 +25,7 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
      and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
      sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte), 45
      in 100 below 0.1 of the bytes (VOTE_LOW: the fewer tokens held, the more of the continuation's error is what
-     the vote would keep, where the sentences' facts held at 3 in 10 hold as well at 45 in 100), and
+     the vote would keep; the answers held at 45 in 100 and fell beyond it), and
      keys one bit wider than values (skew=1: 4 and 2 bits; a logit error moves the attention over every token, a
      value error only its own token's share of the output, which the unbiased values no longer shrink);
      where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (b x T) the codes are
