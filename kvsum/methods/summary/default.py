@@ -73,15 +73,14 @@ LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share"
 VOTE, VOTE_LOW, VOTE_MORE_BELOW = 0.3, 0.45, 0.1  # the vote's share of the anchors; below 0.1 of the bytes the larger
 
 
-def local(share: float) -> tuple[str, dict, str]:
-    """The sentence composition at 3 bits with `share` of the anchors by the observation window's vote."""
+def local_row(budget: float) -> tuple[str, dict, str]:
+    """The sentence composition at 3 bits, the vote's share of the anchors by `budget`."""
+    share = VOTE if budget >= VOTE_MORE_BELOW else VOTE_LOW
     return (SENTENCES[0], {**SENTENCES[1], **LOCAL, "summary_attention_share": share, "skew": 1},
             SENTENCES[2] + f", a {LOCAL['summary_window']}-token window, its newest {LOCAL['summary_recent_exact']} "
             f"tokens exact, {share:.0%} of the anchors by the observation window's vote instead of fitted summaries, "
             "keys 4-bit and values 2-bit (skew=1)")
 
-
-SENTENCES_LOCAL, SENTENCES_LOCAL_LOW = local(VOTE), local(VOTE_LOW)
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
 PLAIN = ("summary", {"by_budget": False}, "summary's own defaults")
@@ -106,8 +105,7 @@ def rows(budget: float, tokens: int, sentences: bool, shape: ModelShape | None =
     top = ([COVER_PRE_ROPE, COVER] if key_bias else [COVER]) if budget >= COVER_FROM else []
     held = budget * tokens  # 16-bit tokens' worth of bytes a head
     two = held < TWO_BITS_BELOW
-    local_row = SENTENCES_LOCAL if budget >= VOTE_MORE_BELOW else SENTENCES_LOCAL_LOW
-    codes = [SENTENCES if two else local_row] if sentences else []
+    codes = [SENTENCES if two else local_row(budget)] if sentences else []
     codes.append(CODES)
     if two:
         why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"

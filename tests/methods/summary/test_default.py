@@ -31,12 +31,13 @@ def test_the_rule_orders_its_configurations_by_budget():
                                              "entropy_allocation": False, "summary_window": 64,
                                              "summary_recent_exact": 8, "summary_anchor_share": 1.0,
                                              "summary_attention_share": 0.3, "skew": 1})
-    first = default.choices(0.1, 2048, True)[0].method.first
+    rule = default.choices(0.1, 2048, True)[0].method
+    first = rule.first
     assert not first.entropy_allocation  # a sentence kept alike in every layer
     assert (first.window, first.recent_exact) == (64, 8)  # at 3 bits the newest tokens stay exact
     assert (first.anchor_share, first.attention_share) == (1.0, 0.3)  # and the window's vote takes 3 anchors in 10
-    assert default.choices(0.1, 2048, True)[0].method.quant.unbiased == "values"
-    assert default.choices(0.1, 2048, True)[0].method.quant.widths(3) == (4, 2)  # keys a bit wider than values
+    assert rule.quant.unbiased == "values"
+    assert rule.quant.widths(3) == (4, 2)  # keys a bit wider than values
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=False)]
     assert low == [("summary+turboquant", {"center": True, **unbiased, "entropy_allocation": False}),
