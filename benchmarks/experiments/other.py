@@ -224,6 +224,11 @@ EXPERIMENTS = [
                methods=("summary", spec("snapkv+turboquant", (0.1, 0.05), key_shift=1), spec("turboquant", (0.25,)),
                         spec("snapkv+turboquant", (0.05, 0.1), **SNAPKV_HADAMARD)),
                args=("--n-lm", "32", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
+    Experiment("frontier_4k_lm16", "frontier", "frontier", "lm KL alone on 16 test windows at 4k (frontier_4k's 4 "
+               "first) at 0.10 / 0.05 / 0.03: the flagship beside SnapKV's selection as codes, where 4 windows "
+               "separate them by less than one window's spread", lengths=(4096,), n=0, threads=1,
+               methods=("summary", spec("snapkv+turboquant", (0.03, 0.05, 0.1), **SNAPKV_HADAMARD)),
+               args=("--n-lm", "16", "--budgets", "0.03", "0.05", "0.1", "--seed", "0")),
     Experiment("kl_positions", "frontier", "kl_positions", "lm KL by the continuation's position on dev seeds "
                "(where the flagship's KL lies at 0.1 / 0.05 beside SnapKV's selection as codes and codes alone; a "
                "longer recent window, the newest tokens exact)", lengths=(2048,), n=16, threads=2,
