@@ -95,7 +95,10 @@ def echo_plan(s: dict[str, Tensor], d: int, pairs: bool, layer: int, k: int, pre
                      torch.cat([Cxp[sel].T, Cpp], 1)], 0)
     Cout = torch.cat([C[sel][:, rest], Cxp[rest].T], 0)
     W = torch.linalg.solve(Cin + RIDGE * torch.diag(Cin.diagonal()), Cout)
-    return EchoPlan(sel, rest, prev, torch.cat([mean[sel], m_prev]).float(), mean[rest].float(), W.float())
+    # solve returns W column-major; a saved cache loads it row-major, and the matmul over a transposed layout rounds
+    # differently: held row-major, a loaded cache decodes bit for bit as the saved one
+    return EchoPlan(sel, rest, prev, torch.cat([mean[sel], m_prev]).float(), mean[rest].float(),
+                    W.float().contiguous())
 
 
 def lowrank_basis(s: dict[str, Tensor], layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:

@@ -53,9 +53,7 @@ class EchoState:
         self.prev, self.rope = prev, rope
         self.expanded: dict[str, Tensor] | None = None  # set_mode("full"): every channel, rebuilt once
         dev = x.keys.device
-        # contiguous: a saved cache loads its tensors contiguous, and a matmul with a transposed view of the same
-        # map rounds differently, so a loaded cache would not decode bit for bit as the saved one
-        self.plans = {w: EchoPlan(**{k: t.to(dev).contiguous() for k, t in vars(p).items()}) for w, p in plans.items()}
+        self.plans = {w: EchoPlan(**{k: t.to(dev) for k, t in vars(p).items()}) for w, p in plans.items()}
         self.sink = {"k": x.keys[:, :sinks].to(x.storage).contiguous(),
                      "v": x.values[:, :sinks].to(x.storage).contiguous()}
         flat = {"k": self._flat(x.keys[:, sinks:]), "v": self._flat(x.values[:, sinks:])}

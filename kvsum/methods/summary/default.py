@@ -70,12 +70,12 @@ SENTENCES = ("summary+turboquant", {"score": "sentence", "key_shift": 1, **CODED
              "summary's selection as centered TurboQuant codes, anchors as whole sentences, the same share per layer")
 # the sentence composition at 3 bits: what the next tokens read (the window, SnapKV's vote) beside the sentences
 LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0}
-VOTE, VOTE_LOW, VOTE_MORE_BELOW = 0.3, 0.45, 0.1  # the vote's share of the anchors; below 0.1 of the bytes the larger
+VOTE, VOTE_LOW, VOTE_LOW_BELOW = 0.3, 0.45, 0.1  # the vote's share of the anchors, VOTE_LOW below 0.1 of the bytes
 
 
 def local_row(budget: float) -> tuple[str, dict, str]:
     """The sentence composition at 3 bits, the vote's share of the anchors by `budget`."""
-    share = VOTE if budget >= VOTE_MORE_BELOW else VOTE_LOW
+    share = VOTE_LOW if budget < VOTE_LOW_BELOW else VOTE
     return (SENTENCES[0], {**SENTENCES[1], **LOCAL, "summary_attention_share": share, "skew": 1},
             SENTENCES[2] + f", a {LOCAL['summary_window']}-token window, its newest {LOCAL['summary_recent_exact']} "
             f"tokens exact, {share:.0%} of the anchors by the observation window's vote instead of fitted summaries, "
