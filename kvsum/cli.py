@@ -26,6 +26,21 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (no usage block): what is wrong, then exit 2 before any model loads."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _count(text: str) -> int:
+    """A positive integer (an argparse type)."""
+    n = int(text) if text.strip().lstrip("+").isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
 def _sub(sub, name: str, help: str, fn) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
     p.set_defaults(fn=fn)
@@ -44,7 +59,7 @@ def _resume(p, what: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvsum", description="Compress the KV cache of transformers models.",
+    p = _Parser(prog="kvsum", description="Compress the KV cache of transformers models.",
                                 formatter_class=_Help)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _sub(sub, "methods", "list the compression methods", commands.cmd_methods)
@@ -53,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     _model(d)
     d.add_argument("--method", default=None, help=f"{SPEC} (default: the flagship summary configuration)")
     d.add_argument("--budget", type=float, default=0.25, help="fraction of the full 16-bit cache's bytes, in (0, 1]")
-    d.add_argument("--tokens", type=int, default=2000, help="document length in tokens")
+    d.add_argument("--tokens", type=_count, default=2000, help="document length in tokens")
 
     c = _sub(sub, "calibrate", "fit the per-model artifacts of echokv and lowrank", commands.cmd_calibrate)
     _model(c)
@@ -71,11 +86,13 @@ def parser() -> argparse.ArgumentParser:
                    "niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt (add _code for the code "
                    "haystack), cwe, fwe")
     e.add_argument("--lengths", default="2000", help="context lengths in tokens, comma-separated")
-    e.add_argument("--n", type=int, default=10, help="examples per length")
+    e.add_argument("--n", type=_count, default=10, help="examples per length")
     e.add_argument("--seed", type=int, default=0, help="seed of the examples")
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="the model's precision")
     e.add_argument("--chat", action="store_true", help="long-context suite tasks: prompts in the tokenizer's chat "
                    "template")
+    e.add_argument("--threads", type=_count, default=None, help="torch threads (default: torch's own; the count is in "
+                   "the result's meta)")
     e.add_argument("--out", default=None, help=f"output folder (default: ./{commands.RESULTS}/eval-<task>-<time>)")
 
     s = _sub(sub, "stability", "cache-on vs cache-off per precision, then each method vs the full cache",
@@ -93,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens")
     s.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     s.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    s.add_argument("--threads", type=_count, default=None, help="torch threads (default: torch's own)")
     _resume(s, "stability")
     s.add_argument("--out", default=str(commands.RESULTS / "stability"), help="output stem (.json and .md)")
 
@@ -112,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--scaling-lengths", default="1024,2048,4096", help="lengths of the overhead/decode measurement")
     r.add_argument("--timings", default="auto", choices=["auto", "measure", "files", "none"],
                    help="auto: benchmarks/perf.py's results when all present, else measure a small grid")
-    r.add_argument("--threads", type=int, default=2, help="torch threads")
+    r.add_argument("--threads", type=_count, default=2, help="torch threads")
     _resume(r, "report")
     r.add_argument("--stability", default=str(commands.RESULTS / "stability.json"),
                    help="kvsum stability results to include")
@@ -124,10 +141,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="turboquant,kivi,summary,summary+turboquant,streaming_llm,snapkv",
                    help="method names, comma-separated")
     b.add_argument("--lengths", default="256,512,1024,2048,4096", help="context lengths, comma-separated")
-    b.add_argument("--new-tokens", type=int, default=64, help="generated tokens the totals include")
+    b.add_argument("--new-tokens", type=_count, default=64, help="generated tokens the totals include")
     b.add_argument("--budget", default="0.25", help="budget of every method")
     b.add_argument("--rounds", type=int, default=9, help="decode steps per cache (median)")
-    b.add_argument("--threads", type=int, default=2, help="torch threads")
+    b.add_argument("--threads", type=_count, default=2, help="torch threads")
     b.add_argument("--out", default=str(commands.RESULTS / "breakeven"), help="output stem (.json and .md)")
 
     st = _sub(sub, "store", "the prefix store of compressed caches (kvsum.Store): list, size, remove",
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     try:
         args = p.parse_args(argv)
-    except SystemExit as e:  # argparse already printed one usage line; keep its exit code 2
+    except SystemExit as e:  # _Parser already printed its one line (or --help its text); keep the exit code
         return int(e.code or 0)
     args.argv = argv
     try:

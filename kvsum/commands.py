@@ -73,8 +73,6 @@ def cmd_methods(args) -> None:
 
 def cmd_demo(args) -> None:
     require_eval("kvsum demo", ("rich",))
-    if args.tokens < 1:
-        raise KVSumError(f"--tokens must be a positive number of tokens, got {args.tokens}")
     spec = None if args.method is None else _one(method_specs(args.method), "--method")
     from rich.console import Console
 
@@ -139,16 +137,17 @@ def cmd_eval(args) -> None:
     specs = method_specs(args.method)
     bs = budgets(args.budget)
     lengths = ints(args.lengths, "--lengths")
-    if args.n < 1:
-        raise KVSumError(f"--n must be >= 1, got {args.n}")
     out = Path(args.out) if args.out else RESULTS / f"eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise KVSumError(f"--out {str(out)!r} is a file; give a folder")
+    import torch
+
     import kvsum
     from kvsum.eval.runner import get_task, run, write
     from kvsum.stability import DTYPES
 
     task = get_task(args.task, chat=args.chat)  # an unknown task fails before the model loads
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     model, tok = kvsum.load_model(args.model, dtype=DTYPES[args.dtype])
     limit = model.config.max_position_embeddings
     if max(lengths) > limit:
@@ -157,7 +156,8 @@ def cmd_eval(args) -> None:
     rows = run(model, tok, task, [(s.name, s.knobs) for s in specs], bs, lengths, args.n, seed=args.seed,
                progress=True)
     stem = f"eval_{args.task}" + ("_chat" if args.chat else "")  # both formats of a task can share a folder
-    js, md = write(rows, out / stem, args.model, command_line(args), dtype=args.dtype, chat=args.chat)
+    js, md = write(rows, out / stem, args.model, command_line(args), dtype=args.dtype, chat=args.chat,
+                   threads=torch.get_num_threads())
     print(md.read_text())
     print(f"wrote {js} and {md} in {time.time() - t:.0f} s")
 
@@ -258,8 +258,6 @@ def cmd_bench(args) -> None:
     for m in methods:
         make_method(m)  # unknown names fail before the model loads
     budget = budgets(args.budget)[0]
-    if args.new_tokens < 1:
-        raise KVSumError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     table = measure(model, tok, methods, lengths, ids=prose_ids(tok, max(lengths)), new_tokens=args.new_tokens,

@@ -22,6 +22,8 @@ def test_methods_lists_every_registered_method(capsys):
     (["eval", "--method", "full", "--budget", "abc"], "--budget must be comma-separated"),
     (["eval", "--method", "full", "--lengths", "0"], "--lengths must be positive"),
     (["demo", "--budget", "2"], "budget must be a fraction in (0, 1]"),
+    (["eval", "--method", "full", "--threads", "0"], "kvsum eval: error: argument --threads: must be a positive"),
+    (["eval", "--budget", "0.5"], "the following arguments are required: --method"),
 ])
 def test_bad_arguments_print_one_line_and_exit_2(capsys, argv, needle):
     assert main(argv) == 2
@@ -47,8 +49,10 @@ def test_calibrate_bad_text_is_rejected(capsys, argv, needle):
     (["eval", "--method", "summary:cover=turboquant:bits=3"], "written name(knob=value)"),
     (["eval", "--method", "snapkv:window=16,nope"], "unknown method 'nope'"),
     (["demo", "--method", "snapkv,full"], "--method takes one method"),
-    (["demo", "--tokens", "0"], "--tokens must be a positive"),
-    (["eval", "--method", "full", "--n", "0"], "--n must be >= 1"),
+    (["demo", "--tokens", "0"], "argument --tokens: must be a positive integer, got '0'"),
+    (["eval", "--method", "full", "--n", "0"], "argument --n: must be a positive integer"),
+    (["eval", "--method", "full", "--threads", "-1"], "argument --threads: must be a positive integer, got '-1'"),
+    (["bench", "breakeven", "--new-tokens", "x"], "argument --new-tokens: must be a positive integer"),
 ])
 def test_method_specs_are_checked_before_the_model_loads(capsys, monkeypatch, argv, needle):
     import kvsum.models
@@ -96,18 +100,26 @@ def test_a_missing_extra_is_one_line(capsys, monkeypatch):
 
 
 def test_eval_writes_into_the_chosen_folder(capsys, monkeypatch, tmp_path):
+    import json
+
     import kvsum.eval.runner
     import kvsum.models
     from tests.helpers import CharTokenizer, tiny_llama
 
     monkeypatch.setattr(kvsum.models, "load_model", lambda name, **kw: (tiny_llama(), CharTokenizer()))
     monkeypatch.chdir(tmp_path)
-    assert main(["eval", "--method", "full,streaming_llm:sinks=4", "--budget", "0.5", "--task", "lm",
-                 "--lengths", "300", "--n", "1"]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert main(["eval", "--method", "full,streaming_llm:sinks=4", "--budget", "0.5", "--task", "lm",
+                     "--lengths", "300", "--n", "1", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     (folder,) = (tmp_path / "kvsum-results").iterdir()
     assert folder.name.startswith("eval-lm-") and (folder / "eval_lm.json").is_file()
     assert f"wrote kvsum-results/{folder.name}/eval_lm.json" in out and "sinks=4" in out
+    assert json.loads((folder / "eval_lm.json").read_text())["meta"]["threads"] == 1  # a result says how it ran
 
 
 def test_bench_breakeven_writes_a_table_with_its_meta(capsys, monkeypatch, tmp_path):
@@ -166,7 +178,8 @@ def test_bench_breakeven_bad_arguments_exit_2(argv, capsys):
     from kvsum.cli import main
 
     assert main(["bench", "breakeven", *argv]) == 2
-    assert capsys.readouterr().err.startswith("kvsum: error:")
+    err = capsys.readouterr().err  # "kvsum: error: ..." or, from argparse, "kvsum bench breakeven: error: ..."
+    assert err.startswith("kvsum") and ": error: " in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_rejects_bad_dtype(capsys):

@@ -47,6 +47,21 @@ def _channels(ix, hc, j, jm, C, HAS_IX: tl.constexpr):
 
 
 @triton.jit
+def _span(runs, h, T, RUNS: tl.constexpr):
+    """(first token, token count, code head) of program h's entries: with runs, run h of one store (head 0), else
+    head h's T tokens."""
+    if RUNS:  # one return: Triton requires every return of a function to have the same types
+        base = tl.load(runs + h)
+        n = tl.load(runs + h + 1) - base
+        hc = 0
+    else:
+        base = 0
+        n = T
+        hc = h
+    return base, n, hc
+
+
+@triton.jit
 def _dot_ix(acc, q, ix, data, lv, h, hc, tok, tm, M, H_codes, D: tl.constexpr, C: tl.constexpr,
             BITS: tl.constexpr, HAS_IX: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
     """acc (BT, BM) += codes of tokens `tok`, head hc, C channels (levels) . queries q[h] (H, M, D) at those channels
@@ -74,14 +89,7 @@ def _score_kernel(out, q, kx_a, data_a, lv_a, kx_b, data_b, lv_b, norm, add, run
     channels kx_* of the queries (H, M, D) are read here (`_side`)."""
     h = tl.program_id(0)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
-    if RUNS:
-        base = tl.load(runs + h)
-        n = tl.load(runs + h + 1) - base
-        hc = 0
-    else:
-        base = 0
-        n = T
-        hc = h
+    base, n, hc = _span(runs, h, T, RUNS)
     tm = t < n
     tok = base + t
     acc = tl.full((BT, BM), 0.0, tl.float32)
@@ -105,14 +113,7 @@ def _mix_kernel(part, p, data, lv, norm, runs, T, H_codes, M, T_p, CHUNK, C: tl.
     h, s = tl.program_id(0), tl.program_id(1)
     j = tl.program_id(2) * BC + tl.arange(0, BC)
     jm = j < C
-    if RUNS:
-        base = tl.load(runs + h)
-        n = tl.load(runs + h + 1) - base
-        hc = 0
-    else:
-        base = 0
-        n = T
-        hc = h
+    base, n, hc = _span(runs, h, T, RUNS)
     m = tl.arange(0, BM)
     mm = m < M
     acc = tl.full((BM, BC), 0.0, tl.float32)
