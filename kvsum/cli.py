@@ -34,11 +34,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _count(text: str) -> int:
-    """A positive integer (an argparse type)."""
-    n = int(text) if text.strip().lstrip("+").isdigit() else 0
+    """A positive integer (an argparse type: every count and length of the commands is checked here)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return n
+
+
+def _counts(text: str) -> list[int]:
+    """Comma-separated positive integers (an argparse type)."""
+    try:
+        return [_count(v) for v in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
 
 
 def _sub(sub, name: str, help: str, fn) -> argparse.ArgumentParser:
@@ -85,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--task", default="passkey", help="the task: passkey, multikey, lm, or a long-context suite task: "
                    "niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt (add _code for the code "
                    "haystack), cwe, fwe")
-    e.add_argument("--lengths", default="2000", help="context lengths in tokens, comma-separated")
+    e.add_argument("--lengths", type=_counts, default="2000", help="context lengths in tokens, comma-separated")
     e.add_argument("--n", type=_count, default=10, help="examples per length")
     e.add_argument("--seed", type=int, default=0, help="seed of the examples")
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="the model's precision")
@@ -120,13 +131,15 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--methods", default="all", help="comma-separated: all, or specs")
     r.add_argument("--budgets", default="0.5,0.25,0.125,0.0625", help="comma-separated fractions in (0, 1]")
     r.add_argument("--task", default="lm,passkey,multikey", help="comma-separated tasks")
-    r.add_argument("--length", default="2048", help="context length of the evaluation in tokens")
+    r.add_argument("--length", type=_count, default="2048", help="context length of the evaluation in tokens")
     r.add_argument("--n", type=int, default=3, help="examples per task")
     r.add_argument("--seed", type=int, default=0, help="seed of the examples")
     r.add_argument("--perf-budget", default="0.25", help="budget of the timing measurements")
-    r.add_argument("--short-lengths", default="128,512", help="prompt lengths of the throughput measurement")
+    r.add_argument("--short-lengths", type=_counts, default="128,512",
+                   help="prompt lengths of the throughput measurement")
     r.add_argument("--new-tokens", type=int, default=32, help="generated tokens per throughput request")
-    r.add_argument("--scaling-lengths", default="1024,2048,4096", help="lengths of the overhead/decode measurement")
+    r.add_argument("--scaling-lengths", type=_counts, default="1024,2048,4096",
+                   help="lengths of the overhead/decode measurement")
     r.add_argument("--timings", default="auto", choices=["auto", "measure", "files", "none"],
                    help="auto: benchmarks/perf.py's results when all present, else measure a small grid")
     r.add_argument("--threads", type=_count, default=2, help="torch threads")
@@ -140,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     _model(b)
     b.add_argument("--methods", default="turboquant,kivi,summary,summary+turboquant,streaming_llm,snapkv",
                    help="method names, comma-separated")
-    b.add_argument("--lengths", default="256,512,1024,2048,4096", help="context lengths, comma-separated")
+    b.add_argument("--lengths", type=_counts, default="256,512,1024,2048,4096", help="context lengths, comma-separated")
     b.add_argument("--new-tokens", type=_count, default=64, help="generated tokens the totals include")
     b.add_argument("--budget", default="0.25", help="budget of every method")
     b.add_argument("--rounds", type=int, default=9, help="decode steps per cache (median)")

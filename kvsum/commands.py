@@ -27,16 +27,6 @@ def budgets(text: str) -> list[float]:
     return [check_budget(v) for v in values]
 
 
-def ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise KVSumError(f"{name} must be comma-separated integers, got {text!r}") from None
-    if any(v <= 0 for v in values):
-        raise KVSumError(f"{name} must be positive, got {text!r}")
-    return values
-
-
 def method_specs(text: str) -> list[Spec]:
     """Comma-separated method specs, each built once (unknown names or knobs fail before the model loads)."""
     from .methods import make_method
@@ -136,7 +126,6 @@ def cmd_eval(args) -> None:
     require_eval("kvsum eval")
     specs = method_specs(args.method)
     bs = budgets(args.budget)
-    lengths = ints(args.lengths, "--lengths")
     out = Path(args.out) if args.out else RESULTS / f"eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise KVSumError(f"--out {str(out)!r} is a file; give a folder")
@@ -147,13 +136,14 @@ def cmd_eval(args) -> None:
     from kvsum.stability import DTYPES
 
     task = get_task(args.task, chat=args.chat)  # an unknown task fails before the model loads
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = kvsum.load_model(args.model, dtype=DTYPES[args.dtype])
     limit = model.config.max_position_embeddings
-    if max(lengths) > limit:
-        raise KVSumError(f"--lengths {max(lengths)} is longer than the model's window ({limit})")
+    if max(args.lengths) > limit:
+        raise KVSumError(f"--lengths {max(args.lengths)} is longer than the model's window ({limit})")
     t = time.time()
-    rows = run(model, tok, task, [(s.name, s.knobs) for s in specs], bs, lengths, args.n, seed=args.seed,
+    rows = run(model, tok, task, [(s.name, s.knobs) for s in specs], bs, args.lengths, args.n, seed=args.seed,
                progress=True)
     stem = f"eval_{args.task}" + ("_chat" if args.chat else "")  # both formats of a task can share a folder
     js, md = write(rows, out / stem, args.model, command_line(args), dtype=args.dtype, chat=args.chat,
@@ -227,9 +217,9 @@ def cmd_report(args) -> None:
             raise KVSumError(f"--task {t!r} is unknown; accepted: {', '.join(TASKS)}")
     methods = [format_spec(m) for m in parse_specs(args.methods)]
     s = Settings(model=args.model, methods=methods, budgets=budgets(args.budgets), tasks=tasks,
-                 length=ints(args.length, "--length")[0], n=args.n, seed=args.seed,
-                 perf_budget=budgets(args.perf_budget)[0], short_lengths=ints(args.short_lengths, "--short-lengths"),
-                 new_tokens=args.new_tokens, scaling_lengths=ints(args.scaling_lengths, "--scaling-lengths"),
+                 length=args.length, n=args.n, seed=args.seed,
+                 perf_budget=budgets(args.perf_budget)[0], short_lengths=args.short_lengths,
+                 new_tokens=args.new_tokens, scaling_lengths=args.scaling_lengths,
                  timings=args.timings, threads=args.threads)
     store = Store(Path(args.cache) if args.cache else cache_dir() / "report", fresh=args.fresh)
     deadline = time.time() + args.time_limit if args.time_limit else None
@@ -254,14 +244,13 @@ def cmd_bench(args) -> None:
     from kvsum.models import load_model
 
     methods = [m.strip() for m in args.methods.split(",")]
-    lengths = ints(args.lengths, "--lengths")
     for m in methods:
         make_method(m)  # unknown names fail before the model loads
     budget = budgets(args.budget)[0]
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    table = measure(model, tok, methods, lengths, ids=prose_ids(tok, max(lengths)), new_tokens=args.new_tokens,
-                    budget=budget, rounds=args.rounds, progress=True)
+    table = measure(model, tok, methods, args.lengths, ids=prose_ids(tok, max(args.lengths)),
+                    new_tokens=args.new_tokens, budget=budget, rounds=args.rounds, progress=True)
     info = meta(args.model, command_line(args), threads=args.threads)  # date and versions, like every result
     table.update(model=args.model, command=info["command"], date=info["date"], meta=info)
     out = Path(args.out)
