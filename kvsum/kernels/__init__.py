@@ -95,11 +95,18 @@ def next_pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, int(n) - 1).bit_length())
 
 
-def chunk(T: int, programs: int, block: int, target: int = 256) -> int:
-    """Tokens per program when T tokens are split across programs for a mix: enough programs in all (about
-    `target`, `programs` already from heads and channel blocks) to fill a GPU, at least 4 blocks each."""
+def block(d: int) -> int:
+    """Channels a kernel program reads at a time: up to 64."""
+    return min(64, next_pow2(d))
+
+
+def chunk(T: int, programs: int, bt: int, target: int = 256) -> tuple[int, int]:
+    """(tokens per program, programs along the tokens) when T tokens are split across programs for a mix: enough
+    programs in all (about `target`, `programs` already from heads and channel blocks) to fill a GPU, at least 4
+    blocks of bt tokens each."""
     per = -(-T // max(1, target // max(1, programs)))
-    return max(4 * block, -(-per // block) * block)
+    per = max(4 * bt, -(-per // bt) * bt)
+    return per, max(1, -(-T // per))
 
 
 def kernel_input(t: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, levels_on, longest_run, next_pow2, offsets
+from . import block, chunk, kernel_input, levels_on, longest_run, offsets
 
 BT = 32  # tokens per block
 BM = 16  # query rows per block: a decoding step's rows per KV head (at most native.MAX_ROWS = 16)
@@ -59,6 +59,24 @@ def _span(runs, h, T, RUNS: tl.constexpr):
         n = T
         hc = h
     return base, n, hc
+
+
+@triton.jit
+def _mix_tile(C: tl.constexpr, M, CHUNK, BM: tl.constexpr, BC: tl.constexpr):
+    """A mix program's tile: program (h, s, b) sums chunk s of head h's tokens (first token t0) into the (BM, BC)
+    accumulator acc, for query rows m and channels j of block b (mm, jm: which are real)."""
+    j = tl.program_id(2) * BC + tl.arange(0, BC)
+    m = tl.arange(0, BM)
+    return tl.program_id(0), tl.program_id(1) * CHUNK, j, j < C, m, m < M, tl.full((BM, BC), 0.0, tl.float32)
+
+
+@triton.jit
+def _store_part(part, acc, M, m, mm, j, jm, C: tl.constexpr):
+    """part[s, h, m, j] = acc for the program (h, s, b) of `_mix_tile`: one chunk's partial sums, added afterwards in
+    PyTorch (no atomics)."""
+    h, s = tl.program_id(0), tl.program_id(1)
+    tl.store(part + ((s * tl.num_programs(0) + h) * M + m[:, None]) * C + j[None, :], acc,
+             mask=mm[:, None] & jm[None, :])
 
 
 @triton.jit
@@ -110,14 +128,8 @@ def _mix_kernel(part, p, data, lv, norm, runs, T, H_codes, M, T_p, CHUNK, C: tl.
                 RUNS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
     """part[s, h, m, j] = sum over tokens t of chunk s: p[h, m, t] norm[hc, tok] level(tok, hc, j) (tok, hc as in
     _score_kernel), for channels j of block program_id(2)."""
-    h, s = tl.program_id(0), tl.program_id(1)
-    j = tl.program_id(2) * BC + tl.arange(0, BC)
-    jm = j < C
+    h, t0, j, jm, m, mm, acc = _mix_tile(C, M, CHUNK, BM, BC)
     base, n, hc = _span(runs, h, T, RUNS)
-    m = tl.arange(0, BM)
-    mm = m < M
-    acc = tl.full((BM, BC), 0.0, tl.float32)
-    t0 = s * CHUNK
     for tt in range(t0, t0 + CHUNK, BT):
         t = tt + tl.arange(0, BT)
         tm = t < n
@@ -127,12 +139,7 @@ def _mix_kernel(part, p, data, lv, norm, runs, T, H_codes, M, T_p, CHUNK, C: tl.
         nrm = tl.load(norm + hc * T + tok, mask=tm, other=0.0).to(tl.float32)
         w = tl.load(p + (h * M + m[:, None]) * T_p + t[None, :], mask=mm[:, None] & tm[None, :], other=0.0)
         acc += tl.dot(w * nrm[None, :], x, input_precision="ieee")
-    tl.store(part + ((s * tl.num_programs(0) + h) * M + m[:, None]) * C + j[None, :], acc,
-             mask=mm[:, None] & jm[None, :])
-
-
-def _block(c: int) -> int:
-    return min(64, next_pow2(c))
+    _store_part(part, acc, M, m, mm, j, jm, C)
 
 
 def _on(runs: Tensor, device) -> Tensor:
@@ -177,7 +184,7 @@ def score(parts: list, q: Tensor, norm: Tensor, scale: float, add: Tensor | None
                 runs if runs is not None else norm, float(scale), T, H_codes, M, T_out, D=d,
                 HAS_IX=pair[0][1] is not None, C_A=C_A, BITS_A=pair[0][0].bits, C_B=C_B,
                 BITS_B=pair[1][0].bits if C_B else 1, HAS_ADD=i == 0 and add is not None, RUNS=runs is not None,
-                BT=BT, BM=BM, BC=_block(max(C_A, C_B)))
+                BT=BT, BM=BM, BC=block(max(C_A, C_B)))
         out = o if out is None else out + o
     return out
 
@@ -195,10 +202,9 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None
     longest = T_p if runs is not None else T
     for codes, ix, levels in parts:
         c = codes.shape[2]
-        bc = _block(c)
+        bc = block(c)
         nb = triton.cdiv(c, bc)
-        per = chunk(longest, H * nb, BT)
-        S = max(1, triton.cdiv(longest, per))
+        per, S = chunk(longest, H * nb, BT)
         part = p.new_empty(S, H, M, c)
         if longest:
             _mix_kernel[(H, S, nb)](part, p, codes.data, levels_on(levels, p.device), norm,

@@ -136,8 +136,7 @@ def coded(kparts: list, vparts: list, qr: Tensor, k_norm: Tensor, v_norm: Tensor
     kb = [p[0].bits for p in kparts] + [kparts[0][0].bits]
     vb = [p[0].bits for p in vparts] + [vparts[0][0].bits]
     longest = T if runs is None else longest_run(runs)
-    per = chunk(longest, H, BT)
-    S = max(1, triton.cdiv(longest, per))
+    per, S = chunk(longest, H, BT)
     m_out, l_out = qr.new_empty(S, H, M), qr.new_empty(S, H, M)
     out = qr.new_empty(S, H, M, d)  # every channel written: one part of all d, or a split's two complementary ones
     split = kparts[0][1] is not None

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, levels_on, next_pow2
-from .codes import BM, BT, _levels
+from . import block, chunk, levels_on, next_pow2
+from .codes import BM, BT, _levels, _mix_tile, _store_part
 from .flash import _MAX, _SUM, NEG
 
 
@@ -43,14 +43,8 @@ def _runs_kernel(part, p, sp_h, sp_m, data, lv, norms, sn_r, sn_h, sn_t, mins, s
                  D: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
     """part[s, h, m, j] = sum over tokens t of chunk s: p[h, m, t] (norms[j / ch, h, t] level(t, h, j) +
     mins[j / ch, h, t]); norms and mins read through their strides (no copy), p with token stride 1."""
-    h, s = tl.program_id(0), tl.program_id(1)
-    j = tl.program_id(2) * BC + tl.arange(0, BC)
-    jm = j < D
+    h, t0, j, jm, m, mm, acc = _mix_tile(D, M, CHUNK, BM, BC)
     r = j // ch
-    m = tl.arange(0, BM)
-    mm = m < M
-    acc = tl.full((BM, BC), 0.0, tl.float32)
-    t0 = s * CHUNK
     for tt in range(t0, t0 + CHUNK, BT):
         t = tt + tl.arange(0, BT)
         tm = t < T
@@ -60,12 +54,7 @@ def _runs_kernel(part, p, sp_h, sp_m, data, lv, norms, sn_r, sn_h, sn_t, mins, s
         mn = tl.load(mins + r[None, :] * sm_r + h * sm_h + t[:, None] * sm_t, mask=both, other=0.0).to(tl.float32)
         w = tl.load(p + h * sp_h + m[:, None] * sp_m + t[None, :], mask=mm[:, None] & tm[None, :], other=0.0)
         acc += tl.dot(w, x * sc + mn, input_precision="ieee")
-    tl.store(part + ((s * tl.num_programs(0) + h) * M + m[:, None]) * D + j[None, :], acc,
-             mask=mm[:, None] & jm[None, :])
-
-
-def _block(d: int) -> int:
-    return min(64, next_pow2(d))
+    _store_part(part, acc, M, m, mm, j, jm, D)
 
 
 def score_groups(codes, levels: Tensor, qg: Tensor) -> Tensor:
@@ -76,7 +65,7 @@ def score_groups(codes, levels: Tensor, qg: Tensor) -> Tensor:
     out = qg.new_empty(H, M, G * g)
     if G:
         _group_kernel[(H, G)](out, qg, codes.data, levels_on(levels, qg.device), H, g, M, G * g, D=d,
-                              BITS=codes.bits, BG=next_pow2(g), BM=BM, BC=_block(d))
+                              BITS=codes.bits, BG=next_pow2(g), BM=BM, BC=block(d))
     return out
 
 
@@ -94,10 +83,9 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
     norms, mins = (x.float() if x.dtype == torch.bfloat16 and not x.is_cuda else x for x in (norms, mins))
     if not T:
         return p.new_zeros(H, M, d)
-    bc = _block(d)
+    bc = block(d)
     nb = triton.cdiv(d, bc)
-    per = chunk(T, H * nb, BT)
-    S = max(1, triton.cdiv(T, per))
+    per, S = chunk(T, H * nb, BT)
     part = p.new_empty(S, H, M, d)
     lv = levels_on(levels, p.device)
     _runs_kernel[(H, S, nb)](part, p, p.stride(0), p.stride(1), codes.data, lv, norms, *norms.stride(), mins,
@@ -171,5 +159,5 @@ def attend(k_codes, v_codes, levels: Tensor, q: Tensor, k_scale: Tensor, k_min: 
     k_scale, k_min, v_scale, v_min = (t.contiguous() for t in (k_scale, k_min, v_scale, v_min))
     _flash_kernel[(H, S)](m_out, l_out, acc, q, k_codes.data, v_codes.data, levels_on(levels, q.device), k_scale,
                           k_min, v_scale, v_min, float(scale), G, H, g, M, R, ch, per, D=d, BITS=k_codes.bits,
-                          BG=next_pow2(g), BM=BM, BC=_block(d), BD=next_pow2(d))
+                          BG=next_pow2(g), BM=BM, BC=block(d), BD=next_pow2(d))
     return m_out, l_out, acc

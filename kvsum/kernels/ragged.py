@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import chunk, kernel_input, next_pow2
+from . import block, chunk, kernel_input
+from .codes import _mix_tile, _store_part
 
 BT = 32  # entries per block
 BM = 16  # query rows per block
@@ -50,15 +51,9 @@ def _score_kernel(out, q, keys, bias, starts, scale, M, n_out, D: tl.constexpr, 
 def _mix_kernel(part, p, values, starts, M, n_p, CHUNK, D: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
                 BC: tl.constexpr):
     """part[s, h, m, j] = sum over entries t of chunk s of head h: p[h, m, t] values[starts[h] + t, j]."""
-    h, s = tl.program_id(0), tl.program_id(1)
-    j = tl.program_id(2) * BC + tl.arange(0, BC)
-    jm = j < D
+    h, t0, j, jm, m, mm, acc = _mix_tile(D, M, CHUNK, BM, BC)
     start = tl.load(starts + h)
     n = tl.load(starts + h + 1) - start
-    m = tl.arange(0, BM)
-    mm = m < M
-    acc = tl.full((BM, BC), 0.0, tl.float32)
-    t0 = s * CHUNK
     for tt in range(t0, t0 + CHUNK, BT):
         t = tt + tl.arange(0, BT)
         tm = t < n
@@ -66,12 +61,7 @@ def _mix_kernel(part, p, values, starts, M, n_p, CHUNK, D: tl.constexpr, BT: tl.
         v = tl.load(values + row[:, None] * D + j[None, :], mask=tm[:, None] & jm[None, :], other=0.0).to(tl.float32)
         w = tl.load(p + (h * M + m[:, None]) * n_p + t[None, :], mask=mm[:, None] & tm[None, :], other=0.0)
         acc += tl.dot(w, v, input_precision="ieee")
-    tl.store(part + ((s * tl.num_programs(0) + h) * M + m[:, None]) * D + j[None, :], acc,
-             mask=mm[:, None] & jm[None, :])
-
-
-def _block(d: int) -> int:
-    return min(64, next_pow2(d))
+    _store_part(part, acc, M, m, mm, j, jm, D)
 
 
 def scores(q: Tensor, keys: Tensor, bias: Tensor | None, starts: Tensor, longest: int, scale: float) -> Tensor:
@@ -83,7 +73,7 @@ def scores(q: Tensor, keys: Tensor, bias: Tensor | None, starts: Tensor, longest
     if longest:
         _score_kernel[(H, triton.cdiv(longest, BT), triton.cdiv(M, BM))](
             out, q, kernel_input(keys), kernel_input(bias) if bias is not None else q, starts, float(scale), M,
-            longest, D=d, HAS_BIAS=bias is not None, BT=BT, BM=BM, BC=_block(d))
+            longest, D=d, HAS_BIAS=bias is not None, BT=BT, BM=BM, BC=block(d))
     return out
 
 
@@ -94,10 +84,9 @@ def mix(p: Tensor, values: Tensor, starts: Tensor) -> Tensor:
     p = p.float().contiguous()
     if not n_p:
         return p.new_zeros(H, M, d)
-    bc = _block(d)
+    bc = block(d)
     nb = triton.cdiv(d, bc)
-    per = chunk(n_p, H * nb, BT)
-    S = max(1, triton.cdiv(n_p, per))
+    per, S = chunk(n_p, H * nb, BT)
     values, outs = kernel_input(values), []
     for m0 in range(0, M, BM):  # more rows than a block (a prefill chunk): one launch per block of rows
         rows = p[:, m0:m0 + BM].contiguous()
