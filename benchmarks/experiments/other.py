@@ -143,8 +143,10 @@ EXPERIMENTS = [
                                 # then two more examples a haystack at 16k, the flagship's rows
                                 bf16(("full", "summary@0.25,0.1,0.05", LONG_BF16[-1]), "--lengths", "16384", "--n",
                                      "5"),
-                                # then three more a haystack at 32k (depths 0.4-0.6), the flagship and the full cache
-                                bf16(("full", "summary@0.25,0.1,0.05"), "--lengths", "32768", "--n", "6"))),
+                                # then three more a haystack at 32k (depths 0.4-0.6), the flagship and the full cache,
+                                # then three more (depths 0.7-0.9)
+                                *(bf16(("full", "summary@0.25,0.1,0.05"), "--lengths", "32768", "--n", n)
+                                  for n in ("6", "9")))),
     Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
                "flagship by budget and the best quantization and eviction beside the full cache (four examples "
