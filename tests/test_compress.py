@@ -172,6 +172,16 @@ def test_bad_arguments(tiny, ids, kwargs, match):
         kvsum.compress(tiny, ids, **kwargs)
 
 
+def test_a_spec_string_compresses_as_its_knobs_do(tiny, ids):
+    """A configuration copied from a result table or the CLI: the same cache as the keywords give."""
+    by_spec = kvsum.compress(tiny, ids, method="snapkv+turboquant:key_shift=1,bits=2.5", budget=0.25)
+    by_knobs = kvsum.compress(tiny, ids, method="snapkv+turboquant", budget=0.25, key_shift=1, bits=2.5)
+    assert by_spec.nbytes() == by_knobs.nbytes()
+    q = ids[:, :4]
+    with torch.no_grad():
+        assert torch.equal(tiny(q, past_key_values=by_spec).logits, tiny(q, past_key_values=by_knobs).logits)
+
+
 def test_failed_compression_leaves_prefill_intact(tiny, ids):
     pre = kvsum.prefill(tiny, ids)
     before = [layer.keys.clone() for layer in pre.cache.layers]

@@ -4,7 +4,8 @@
 composition does). Knobs go to the part that declares them; a knob both declare (`seed`, `window` ...) is
 written with its part's name in front, `snapkv_window=32` or `snapkv.window=32` (either works for any knob).
 A knob value may be a method: a built `Method`, a `kvsum.spec.Spec`, or a spec string for a method-typed
-knob (`cover="turboquant(bits=3.5)"`); specs are built through make_method.
+knob (`cover="turboquant(bits=3.5)"`); specs are built through make_method. The name itself may be a spec string
+(`make_method("snapkv+turboquant:key_shift=1")`), so a configuration copied from a result table builds as it reads.
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ def prefill_needs(methods) -> dict:
 
 def make_method(name: str, **knobs) -> Method:
     """Build a registered method from its name and keyword knobs, with clear errors for either.
-    "a+b" composes a method with a quantizer (see the module docstring for how knobs are routed)."""
+    "a+b" composes a method with a quantizer (see the module docstring for how knobs are routed). The name may be a
+    spec string with its knobs, as the CLI and the result tables write one ("turboquant:bits=2.5,skew=0")."""
+    if isinstance(name, str) and ":" in name:
+        spec = parse_spec(name)
+        both = sorted(set(spec.knobs) & set(knobs))
+        if both:
+            raise KVSumError(f"knob {', '.join(both)} given twice: in {name!r} and as a keyword")
+        return make_method(spec.name, **spec.knobs, **knobs)
     if isinstance(name, str) and "+" in name:
         return _compose(name, knobs)
     if name not in REGISTRY:
