@@ -202,6 +202,12 @@ EXPERIMENTS = [
           ("frontier", 2048, 20, 8, "bytes held against passkey / multikey accuracy and lm KL at 2k, budgets 0.03-0.5: "
            "the flagship (summary by budget) and each family's best beside the full cache"),
           ("frontier_4k", 4096, 10, 4, "the same at 4k (fewer examples: 10 retrieval, 4 lm per cell)"))],
+    Experiment("frontier_quant_low", "frontier", "frontier", "the quantization family at 0.125 of 2k once TurboQuant "
+               "codes 1.5 bits (keys 2, values 1): as published (by budget), and with pca keys coded before RoPE and "
+               "unbiased values (chosen over the rotated form on dev seeds); test seeds, the frontier's counts",
+               lengths=(2048,), n=20, threads=2,
+               methods=("turboquant", spec("turboquant", bits=1.5, key_basis="pca", pre_rope=True, unbiased="values")),
+               args=("--n-lm", "8", "--budgets", "0.125", "--seed", "0")),
     Experiment("frontier_flagship", "frontier", "frontier", "the flagship (summary by budget) and each family's best "
                "at 2k on 50 retrieval examples a task and 8 lm windows at 0.25 / 0.10 / 0.05, the full cache beside",
                lengths=(2048,), n=50, threads=2,

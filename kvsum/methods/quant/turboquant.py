@@ -33,7 +33,7 @@ from .rotation import ROTATIONS, Rotation, gaussian, hadamard_fits
 from .state import TurboQuantState
 from .stream import QuantStream
 
-SUPPORTED = (1, 2, 2.5, 3, 3.5, 4)
+SUPPORTED = (1, 1.5, 2, 2.5, 3, 3.5, 4)
 PATHS = ("rotated", "dequant")
 KEY_BASES = ("random", "pca")
 UNBIASED = ("none", "values", "keys", "both")
