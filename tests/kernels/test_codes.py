@@ -22,7 +22,7 @@ def _state(H, T, d, bits, device, center=False):
     return TurboQuant(bits=bits, center=center).build(keys, values, bits, layer_idx=1)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])
 @pytest.mark.parametrize("H,T,d,M", [(2, 70, 64, 3), (1, 40, 256, 1)])
 def test_scores_and_mix_match_the_pytorch_path(kernel, reference, device, bits, H, T, d, M):
     state = _state(H, T, d, bits, device, center=bits == 3.5)

@@ -10,7 +10,7 @@ from kvsum.methods.quant.rotation import Rotation
 
 
 @pytest.mark.parametrize("kind", ["qr", "hadamard"])
-@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])
 def test_mse_distortion_within_published_bound(bits, kind):
     d, n = 64, 4000
     u = torch.randn(n, d, generator=torch.Generator().manual_seed(7))

@@ -32,7 +32,7 @@ def test_kernel_compiles_and_serves_turboquant_decoding_steps():
 
 
 @pytest.mark.skipif(not SERVED, reason="needs a CPU with AVX2 and a C compiler")
-@pytest.mark.parametrize("bits", [1, 2, 2.5, 3, 3.5, 4])
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])
 @pytest.mark.parametrize("H,T,d,M,threads", [(3, 1001, 64, 3, 2), (1, 37, 256, 4, 1), (2, 50, 32, 16, 1),
                                              (3, 5, 64, 1, 2), (2, 700, 64, 7, 2)])
 def test_kernel_matches_the_lookup_path(lookup_path, bits, H, T, d, M, threads):

@@ -111,9 +111,19 @@ def test_turboquant_keeps_sinks_and_window_exact():
         make_method("turboquant", sinks=-1)
 
 
+def test_turboquant_by_budget_takes_1_5_bits_where_2_do_not_fit():
+    H, T, d = 2, 300, 64
+    m = make_method("turboquant")
+    full, sinks = 2 * H * T * d * 2, 2 * H * 4 * d * 2
+    need = {b: m.nbytes(H, T - 4, d, b) + sinks for b in (1, 1.5, 2)}
+    assert need[1] < need[1.5] < need[2]
+    assert m.compress(random_layer(H, T, d, budget=(need[1.5] + need[2]) / 2 / full)).nbytes() == need[1.5]
+    assert m.compress(random_layer(H, T, d, budget=(need[1] + need[1.5]) / 2 / full)).nbytes() == need[1]
+
+
 def test_turboquant_skew_gives_keys_more_bits_within_1_to_4():
     m = make_method("turboquant")  # skew 0.5 by default
-    assert [m.widths(b) for b in (1, 2, 2.5, 3.5, 4)] == [(1, 1), (2.5, 1.5), (3, 2), (4, 3), (4, 4)]
+    assert [m.widths(b) for b in (1, 1.5, 2, 2.5, 3.5, 4)] == [(1, 1), (2, 1), (2.5, 1.5), (3, 2), (4, 3), (4, 4)]
     assert make_method("turboquant", skew=0).widths(3.5) == (3.5, 3.5)
     assert make_method("turboquant", qjl=True).widths(3) == (2.5, 2.5)  # keys: 3.5 = 2.5 MSE + 1 QJL
     x = random_layer(2, 300, 16)
