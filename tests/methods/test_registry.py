@@ -57,14 +57,17 @@ def test_a_spec_string_names_a_method_with_its_knobs():
     assert (make_method("snapkv+turboquant:key_shift=1,snapkv_window=16")
             == make_method("snapkv+turboquant", key_shift=1, snapkv_window=16))
     assert make_method("summary:cover=turboquant(bits=3.5)").cover == make_method("turboquant", bits=3.5)
-    assert make_method("summary:score=surprisal").by_budget  # a knob: summary as configured, not by the rule
-    assert make_method("summary:score=surprisal") != make_method("summary")
-    with pytest.raises(kvsum.KVSumError, match="knob bits given twice"):
-        make_method("turboquant:bits=2.5", bits=3)
-    with pytest.raises(kvsum.KVSumError, match="has no knob nope"):
-        make_method("turboquant:nope=1")
-    with pytest.raises(kvsum.KVSumError, match="method spec"):
-        make_method("turboquant:bits=")
+    assert make_method("summary:score=surprisal") != make_method("summary")  # a knob: not configured by the rule
+
+
+@pytest.mark.parametrize("name, knobs, match", [
+    ("turboquant:bits=2.5", {"bits": 3}, "knob bits given twice"),
+    ("turboquant:nope=1", {}, "has no knob nope"),
+    ("turboquant:bits=", {}, "method spec"),
+])
+def test_bad_spec_strings_are_clear_errors(name, knobs, match):
+    with pytest.raises(kvsum.KVSumError, match=match):
+        make_method(name, **knobs)
 
 
 def test_a_composition_routes_knobs_by_prefix():
