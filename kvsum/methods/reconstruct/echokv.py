@@ -14,8 +14,8 @@ constants in the calibration artifact (its size is in `artifact.meta["nbytes"]`)
 so no cache is charged for them. The state of layer i refers to layer i-1's state for its stored channels;
 those bytes are counted once, in layer i-1. That link is made within one `compress_layers` call (the method
 holds nothing between calls); a layer compressed alone rebuilds from its own channels only. Cost: every
-attention call rebuilds the layer's keys and values, O(T n k) multiply-adds, so decoding is slower than with
-a plain cache (no rebuilt tensor is kept).
+attention call rebuilds the layer's keys, O(T n k) multiply-adds, so decoding is slower than with a plain cache
+(no rebuilt tensor is kept); values are mixed from the stored channels and mapped after (`EchoState.mix`).
 
 Modes: `mode="compressed"` (default) fits `keep` or the budget; `mode="full"` stores every channel (no
 rebuild, needs budget 1.0). To switch per request, as EchoKV does for short contexts, compress short
@@ -132,7 +132,22 @@ class EchoState:
         return q @ self.rebuilt("k")[None].transpose(-1, -2) * scale
 
     def mix(self, p: Tensor) -> Tensor:
-        return p @ self.rebuilt("v")[None]
+        """p (B, H, M, T) @ values. Rebuilt values are an affine map of the predictors, so the weights are applied to
+        the stored channels first and the map after: sum_t p_t (m + (x_t - mu) W) = (sum_t p_t)(m - mu W) +
+        (sum_t p_t x_t) W, H*M rows through the map instead of T tokens (keys cannot: their map acts before RoPE)."""
+        pl = self.plans["v"]
+        if self.expanded or not len(pl.rest):
+            return p @ self.rebuilt("v")[None]
+        S, own = self.S, self.stored["v"].float()
+        pred = [own] + ([self.prev.fit_space("v")] if len(pl.prev) else [])
+        w = p[..., S:].float()
+        px = w @ torch.cat(pred, 1)  # (B, H, M, k + k'): own channels first
+        flat = px.new_empty(*px.shape[:-1], self.H * self.d)
+        flat[..., pl.sel] = px[..., :own.shape[1]]
+        flat[..., pl.rest] = w.sum(-1, keepdim=True) * (pl.mean_out - pl.mean_in @ pl.W) + px @ pl.W
+        heads = torch.arange(self.H, device=p.device)
+        mine = flat.view(*flat.shape[:-1], self.H, self.d)[:, heads, :, heads]  # (H, B, M, d): head h's channels
+        return p[..., :S].float() @ self.sink["v"].float()[None] + mine.permute(1, 0, 2, 3)
 
 
 @register

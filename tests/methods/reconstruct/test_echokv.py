@@ -37,6 +37,17 @@ def test_echokv_previous_layer_helps(tiny, tiny_art, ids):
         assert both["k"] < own["k"] - 0.02 and both["v"] < own["v"] - 0.02, (keep, both, own)
 
 
+def test_echokv_mixes_values_without_rebuilding_them(tiny, tiny_art, ids):
+    """The weights go through the stored channels and then the map: the rebuilt values' mix up to float order."""
+    cache = kvsum.compress(tiny, ids, method="echokv", budget=0.25, artifact=tiny_art)
+    states = [layer.state for layer in cache.layers]
+    assert all(len(st.plans["v"].rest) for st in states) and any(len(st.plans["v"].prev) for st in states)
+    for st in states:
+        H, T = st.H, st.T
+        p = torch.randn(2, H, 5, T, generator=torch.Generator().manual_seed(st.layer_idx)).softmax(-1)
+        torch.testing.assert_close(st.mix(p), p @ st.rebuilt("v")[None], rtol=1e-5, atol=1e-6)
+
+
 def test_echokv_cache_switches_between_full_and_compressed_mode(tiny, tiny_art, ids):
     """One cache, two modes: "full" holds the rebuilt channels (more bytes, no rebuild per step) and gives the
     same logits up to fp16 storage; "compressed" drops them again, bit for bit what it was."""
