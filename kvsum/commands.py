@@ -35,7 +35,7 @@ def method_specs(text: str) -> list[Spec]:
         make_method(text)  # raises: unknown method ''
     specs = parse_specs(text)
     for s in specs:
-        make_method(s.name, **s.knobs)
+        make_method(s)
     return specs
 
 

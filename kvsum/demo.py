@@ -62,7 +62,7 @@ def run_demo(model, tok, method: str | Spec | None = None, budget: float = 0.25,
     from a copy of each. `method`: a spec string ("summary:score=surprisal") or Spec; None: the flagship."""
     spec = Spec(DEFAULT_METHOD, {}) if method is None else (
         method if isinstance(method, Spec) else parse_spec(method))
-    m, full = make_method(spec.name, **spec.knobs), make_method("full")
+    m, full = make_method(spec), make_method("full")
     ctx, cues = _document(tok, tokens)
     with progress_bar("prefill", 3 + 2 * len(cues), enabled=progress, transient=True) as bar:
         t = time.perf_counter()

@@ -25,7 +25,6 @@ from ..cache import Cache
 from ..errors import KVSumError
 from ..methods import LayerInput, make_method
 from ..methods.quantizer import Quantizer
-from ..spec import parse_spec
 from ..state import ConcatState, EntryState
 
 DEFAULT_METHOD = "turboquant:bits=4,key_shift=0"
@@ -39,10 +38,7 @@ def layout(model: str, n_layers: int, kv_heads: int, head_dim: int) -> dict:
 def codec_method(method) -> Quantizer:
     """The configured quantizer for `method` (a spec string such as "turboquant:bits=4", or a Method), or a
     KVSumError naming why it cannot code KV without a model."""
-    if isinstance(method, str):
-        spec = parse_spec(method)
-        method = make_method(spec.name, **spec.knobs)
-    m = method
+    m = make_method(method) if isinstance(method, str) else method
     name = getattr(m, "name", type(m).__name__)
     if not isinstance(m, Quantizer):
         raise KVSumError(f"method {name!r} cannot code paged KV: it does not keep one entry per token (eviction, "

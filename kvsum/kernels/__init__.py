@@ -109,6 +109,14 @@ def chunk(T: int, programs: int, bt: int, target: int = 256) -> tuple[int, int]:
     return per, max(1, -(-T // per))
 
 
+def mix_grid(T: int, heads: int, d: int, bt: int) -> tuple[int, int, int, int]:
+    """A mix's launch over T tokens of `heads` heads and d channels: (channels a block, channel blocks, tokens per
+    program, programs along the tokens)."""
+    bc = block(d)
+    nb = -(-d // bc)
+    return (bc, nb, *chunk(T, heads * nb, bt))
+
+
 def kernel_input(t: Tensor) -> Tensor:
     """`t` as a kernel may load it: contiguous; float32 where a CPU tensor is bfloat16 (the interpreter runs on
     numpy, which has no bfloat16)."""

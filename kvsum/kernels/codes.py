@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import block, chunk, kernel_input, levels_on, longest_run, offsets
+from . import block, kernel_input, levels_on, longest_run, mix_grid, offsets
 
 BT = 32  # tokens per block
 BM = 16  # query rows per block: a decoding step's rows per KV head (at most native.MAX_ROWS = 16)
@@ -202,9 +202,7 @@ def mix(parts: list, p: Tensor, norm: Tensor, d: int, runs: Tensor | None = None
     longest = T_p if runs is not None else T
     for codes, ix, levels in parts:
         c = codes.shape[2]
-        bc = block(c)
-        nb = triton.cdiv(c, bc)
-        per, S = chunk(longest, H * nb, BT)
+        bc, nb, per, S = mix_grid(longest, H, c, BT)
         part = p.new_empty(S, H, M, c)
         if longest:
             _mix_kernel[(H, S, nb)](part, p, codes.data, levels_on(levels, p.device), norm,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import block, chunk, levels_on, next_pow2
+from . import block, levels_on, mix_grid, next_pow2
 from .codes import BM, BT, _levels, _mix_tile, _store_part
 from .flash import _MAX, _SUM, NEG
 
@@ -83,9 +83,7 @@ def mix_runs(codes, levels: Tensor, p: Tensor, norms: Tensor, mins: Tensor) -> T
     norms, mins = (x.float() if x.dtype == torch.bfloat16 and not x.is_cuda else x for x in (norms, mins))
     if not T:
         return p.new_zeros(H, M, d)
-    bc = block(d)
-    nb = triton.cdiv(d, bc)
-    per, S = chunk(T, H * nb, BT)
+    bc, nb, per, S = mix_grid(T, H, d, BT)
     part = p.new_empty(S, H, M, d)
     lv = levels_on(levels, p.device)
     _runs_kernel[(H, S, nb)](part, p, p.stride(0), p.stride(1), codes.data, lv, norms, *norms.stride(), mins,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import block, chunk, kernel_input
+from . import block, kernel_input, mix_grid
 from .codes import _mix_tile, _store_part
 
 BT = 32  # entries per block
@@ -84,9 +84,7 @@ def mix(p: Tensor, values: Tensor, starts: Tensor) -> Tensor:
     p = p.float().contiguous()
     if not n_p:
         return p.new_zeros(H, M, d)
-    bc = block(d)
-    nb = triton.cdiv(d, bc)
-    per, S = chunk(n_p, H * nb, BT)
+    bc, nb, per, S = mix_grid(n_p, H, d, BT)
     values, outs = kernel_input(values), []
     for m0 in range(0, M, BM):  # more rows than a block (a prefill chunk): one launch per block of rows
         rows = p[:, m0:m0 + BM].contiguous()

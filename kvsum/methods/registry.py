@@ -4,7 +4,7 @@
 composition does). Knobs go to the part that declares them; a knob both declare (`seed`, `window` ...) is
 written with its part's name in front, `snapkv_window=32` or `snapkv.window=32` (either works for any knob).
 A knob value may be a method: a built `Method`, a `kvsum.spec.Spec`, or a spec string for a method-typed
-knob (`cover="turboquant(bits=3.5)"`); specs are built through make_method. The name itself may be a spec string
+knob (`cover="turboquant(bits=3.5)"`). make_method builds every spec, its name included: a Spec or a spec string
 (`make_method("snapkv+turboquant:key_shift=1")`), so a configuration copied from a result table builds as it reads.
 """
 
@@ -43,15 +43,16 @@ def prefill_needs(methods) -> dict:
     return out
 
 
-def make_method(name: str, **knobs) -> Method:
+def make_method(name: str | Spec, **knobs) -> Method:
     """Build a registered method from its name and keyword knobs, with clear errors for either.
     "a+b" composes a method with a quantizer (see the module docstring for how knobs are routed). The name may be a
-    spec string with its knobs, as the CLI and the result tables write one ("turboquant:bits=2.5,skew=0")."""
-    if isinstance(name, str) and ":" in name:
-        spec = parse_spec(name)
+    Spec or a spec string with its knobs, as the CLI and the result tables write one ("turboquant:bits=2.5,skew=0",
+    "turboquant(bits=2.5)")."""
+    if isinstance(name, Spec) or (isinstance(name, str) and (":" in name or "(" in name)):
+        spec = name if isinstance(name, Spec) else parse_spec(name)
         both = sorted(set(spec.knobs) & set(knobs))
         if both:
-            raise KVSumError(f"knob {', '.join(both)} given twice: in {name!r} and as a keyword")
+            raise KVSumError(f"knob {', '.join(both)} given twice: in {str(name)!r} and as a keyword")
         return make_method(spec.name, **spec.knobs, **knobs)
     if isinstance(name, str) and "+" in name:
         return _compose(name, knobs)
@@ -89,12 +90,10 @@ def _method_fields(cls) -> dict[str, tuple[type, ...]]:
 
 
 def _build(method: str, knob: str, value, kinds: tuple[type, ...] | None):
-    """A knob value with every Spec (and, for a method-typed knob, a spec string) built into a Method."""
-    if isinstance(value, str) and kinds:
-        value = parse_spec(value)
-    if isinstance(value, Spec):
+    """A knob value with every Spec (and, for a method-typed knob, a spec string or name) built into a Method."""
+    if isinstance(value, Spec) or (isinstance(value, str) and kinds):
         try:
-            return make_method(value.name, **value.knobs)
+            return make_method(value)
         except KVSumError as e:
             raise KVSumError(f"{method}: {knob}={value}: {e}") from None
     return value

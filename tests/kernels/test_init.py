@@ -28,6 +28,7 @@ def test_helpers():
     assert kernels.offsets([3, 0, 5], "cpu").tolist() == [0, 3, 3, 8]
     assert [kernels.next_pow2(n) for n in (1, 16, 17, 200)] == [16, 16, 32, 256]
     assert kernels.chunk(100, 4, 32) == (128, 1) and kernels.chunk(32768, 8, 32)[0] % 32 == 0
+    assert kernels.mix_grid(100, 2, 96, 32) == (64, 2, 128, 1)  # 96 channels: two blocks of up to 64
     lv = torch.arange(4.0)
     assert kernels.levels_on(lv, "cpu").dtype == torch.float32
     assert kernels.kernel_input(torch.ones(2, 3, dtype=torch.bfloat16).t()).dtype == torch.float32

@@ -54,6 +54,8 @@ def test_bad_method_knobs_are_clear_errors(wrap, knobs, match):
 def test_a_spec_string_names_a_method_with_its_knobs():
     assert make_method("turboquant:bits=2.5,skew=0") == make_method("turboquant", bits=2.5, skew=0)
     assert make_method("turboquant:bits=2.5", skew=0) == make_method("turboquant", bits=2.5, skew=0)
+    assert make_method("turboquant(bits=2.5)") == make_method(Spec("turboquant", {"bits": 2.5})) == make_method(
+        "turboquant", bits=2.5)
     assert (make_method("snapkv+turboquant:key_shift=1,snapkv_window=16")
             == make_method("snapkv+turboquant", key_shift=1, snapkv_window=16))
     assert make_method("summary:cover=turboquant(bits=3.5)").cover == make_method("turboquant", bits=3.5)

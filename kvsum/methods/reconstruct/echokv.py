@@ -109,16 +109,20 @@ class EchoState:
             return self.expanded[w].float()
         return self._rebuild(w)
 
+    def _predictors(self, w: str) -> Tensor:
+        """What the ridge map reads, (tokens after the sinks, k + k'): this layer's stored channels in the map's
+        space, then the previous layer's it uses."""
+        own = self.fit_space(w)
+        return torch.cat([own, self.prev.fit_space(w)], 1) if len(self.plans[w].prev) else own
+
     def _rebuild(self, w: str) -> Tensor:
         p, own = self.plans[w], self.stored[w].float()
         if len(p.rest):
             tables = self._tables() if (w == "k" and self.rope is not None) else None
-            pred = [self.fit_space(w)]
-            if len(p.prev):
-                pred.append(self.prev.fit_space(w))
-            rest = p.mean_out + (torch.cat(pred, 1) - p.mean_in) @ p.W
+            pred = self._predictors(w)
+            rest = p.mean_out + (pred - p.mean_in) @ p.W
             if tables is not None:
-                full = rotate(self._placed(w, pred[0], rest).view(-1, self.H, self.d), *tables)
+                full = rotate(self._placed(w, pred[:, :own.shape[1]], rest).view(-1, self.H, self.d), *tables)
                 full = full.reshape(own.shape[0], -1)
                 full[:, p.sel] = own  # the stored channels exactly, not through the round trip
             else:
@@ -138,12 +142,11 @@ class EchoState:
         pl = self.plans["v"]
         if self.expanded or not len(pl.rest):
             return p @ self.rebuilt("v")[None]
-        S, own = self.S, self.stored["v"].float()
-        pred = [own] + ([self.prev.fit_space("v")] if len(pl.prev) else [])
+        S = self.S
         w = p[..., S:].float()
-        px = w @ torch.cat(pred, 1)  # (B, H, M, k + k'): own channels first
+        px = w @ self._predictors("v")  # (B, H, M, k + k'): own channels first
         flat = px.new_empty(*px.shape[:-1], self.H * self.d)
-        flat[..., pl.sel] = px[..., :own.shape[1]]
+        flat[..., pl.sel] = px[..., :len(pl.sel)]
         flat[..., pl.rest] = w.sum(-1, keepdim=True) * (pl.mean_out - pl.mean_in @ pl.W) + px @ pl.W
         heads = torch.arange(self.H, device=p.device)
         mine = flat.view(*flat.shape[:-1], self.H, self.d)[:, heads, :, heads]  # (H, B, M, d): head h's channels
