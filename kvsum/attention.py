@@ -39,7 +39,7 @@ def _take():
     return state, observer
 
 
-class _Capture:
+class Capture:
     """Base of what the attention function feeds during a kvsum prefill: `add(layer, query, key, scale)`."""
 
     def __enter__(self):
@@ -50,7 +50,7 @@ class _Capture:
         _local.capture = None
 
 
-class QueryCapture(_Capture):
+class QueryCapture(Capture):
     """Collects, per layer, the post-RoPE queries at chosen prompt positions during a prefill, which may run
     in chunks: a call's queries are the last positions of its keys, and each chunk keeps its share."""
 
@@ -74,7 +74,7 @@ class QueryCapture(_Capture):
         return got
 
 
-class RepeatScorer(_Capture):
+class RepeatScorer(Capture):
     """While the model re-reads its context, the attention each context key receives (max over the
     re-reading queries and the query heads of its group), per layer: (H, T). Computed in query chunks,
     so no attention matrix larger than (heads, chunk, keys) exists at once."""

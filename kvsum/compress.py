@@ -103,6 +103,7 @@ def _compress(pre: Prefill, method: Method, budget: float, storage_dtype, consum
             query_pos=pre.query_pos, scale=s.scales[i], layer_idx=i, n_layers=s.n_layers, surprisal=pre.surprisal,
             sentence_ends=pre.sentence_ends, key_scores=pre.repeat_scores.get(i) if pre.repeat_scores else None,
             rope=layer_rope(pre.rope, i), fingerprint=pre.fingerprint,
+            retrieval=pre.retrieval.get(i) if pre.retrieval else None,
             budget_bytes=budget * layer_full, storage=storage_dtype))
     plan = method.plan(inputs, budget)
     for x, f in zip(inputs, plan.fractions):

@@ -15,6 +15,7 @@ from torch import Tensor
 from .attention import QueryCapture, RepeatScorer, use_kvsum_attention
 from .cache import Cache, KVSumSlidingLayer
 from .errors import KVSumError
+from .retrieval import retrieval_scores
 from .rope import rope_of
 from .shape import ModelShape, fingerprint
 
@@ -34,6 +35,7 @@ class Prefill:
         repeat_scores: per layer (H, T), attention received while re-reading (prefill(repeat=True)).
         rope: per-layer RoPE tables (kvsum.rope.rope_of), None if not of the Llama form.
         fingerprint: the model's kvsum.shape.fingerprint (None if it has none), to find per-model artifacts.
+        retrieval: per global layer, (H,) each KV head's retrieval score (prefill(retrieval=True); kvsum.retrieval).
     """
 
     cache: Cache
@@ -46,6 +48,7 @@ class Prefill:
     repeat_scores: dict[int, Tensor] | None = None
     rope: dict | None = None
     fingerprint: dict | None = None
+    retrieval: dict[int, Tensor] | None = None
 
 
 def reference_positions(T: int, window: int = 64, sample: int = 192) -> Tensor:
@@ -163,7 +166,7 @@ CHUNK = 2048  # longer prompts run this many tokens at a time
 @torch.no_grad()
 def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surprisal: bool = False,
             repeat: bool = False, sentences: bool | str = False, tokenizer=None, chunk: int = CHUNK,
-            whole: int = WHOLE) -> Prefill:
+            whole: int = WHOLE, retrieval: bool | str = False) -> Prefill:
     """Run the prompt once through the model, keeping the full cache and the reference queries.
 
     A prompt of at most `whole` tokens runs in one forward pass; a longer one runs `chunk` tokens at a time
@@ -179,6 +182,8 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
     future question that needs it would do); the re-read is cropped off the cache afterwards.
     With `sentences`, the `tokenizer` marks the tokens that end a sentence (methods keep whole sentences);
     sentences="optional" marks them where a tokenizer is given (summary by budget uses them where present).
+    With `retrieval`, each KV head's retrieval score, probed once per model with the `tokenizer`
+    (kvsum.retrieval); retrieval="optional" where a tokenizer is given.
     """
     input_ids = check_ids(model, input_ids)
     if not (isinstance(chunk, int) and chunk > 0 and isinstance(whole, int) and whole >= 0):
@@ -195,6 +200,10 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
         raise KVSumError("this method keeps whole sentences and needs the model's tokenizer to find them: "
                          "pass tokenizer= to kvsum.compress (or kvsum.prefill)")
     ends = sentence_ends(tokenizer, input_ids[0]) if sentences else None
+    if retrieval and tokenizer is None and retrieval != "optional":
+        raise KVSumError("retrieval heads are probed with the model's tokenizer: pass tokenizer= to kvsum.compress "
+                         "(or kvsum.prefill)")
+    heads = retrieval_scores(model, tokenizer) if retrieval and callable(tokenizer) else None
     use_kvsum_attention(model)
     shape = ModelShape.of(model)
     cache = Cache(shape.n_layers, shape.windows)
@@ -221,7 +230,7 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
     cache.model_reference_nbytes = shape.reference_nbytes(T, 8 * cache.layers[0].keys.element_size())[0]
     cache.fingerprint = fingerprint(model, strict=False)
     return Prefill(cache, cap.queries, pos.to(input_ids.device), shape, T, info, ends, scores,
-                   rope_of(model, shape.head_dim, shape.n_layers), cache.fingerprint)
+                   rope_of(model, shape.head_dim, shape.n_layers), cache.fingerprint, heads)
 
 
 def check_prefill(pre) -> Prefill:

@@ -102,6 +102,13 @@ class SentenceTokenizer:
         return ["".join(self.chars[i] for i in row) for row in ids]
 
 
+class ProbeTokenizer(SentenceTokenizer):
+    """SentenceTokenizer that also encodes (each character of `chars` its id, any other 0): the retrieval probe runs."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return SimpleNamespace(input_ids=[max(self.chars.find(c), 0) for c in text])
+
+
 # ---- hand-built layers --------------------------------------------------------------------------------------
 
 

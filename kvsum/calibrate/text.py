@@ -1,43 +1,16 @@
-"""Calibration text: a deterministic slice of the Python standard library's own source files.
-
-The first MODULE_CHARS characters of each public top-level module, in name order: many modules, varied code
-and docstrings. It is disjoint from the evaluation haystack, which uses the documentation prose of
-`pydoc_data.topics` (tests check that no paragraph is shared).
-"""
+"""Calibration token ids: a deterministic slice of the Python standard library's own source files
+(kvsum.stdlib_text), or text or ids given."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import os
 import platform
-import sysconfig
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ..errors import KVSumError
-
-MODULE_CHARS = 3000  # characters taken from each stdlib module
-
-
-def stdlib_modules() -> list[Path]:
-    """Public top-level modules of the standard library, in name order."""
-    root = sysconfig.get_paths()["stdlib"]
-    return [Path(f) for f in sorted(glob.glob(os.path.join(root, "*.py"))) if not Path(f).name.startswith("_")]
-
-
-def calibration_text(chars: int = 60_000, start: int = 0) -> str:
-    """About `chars` characters of stdlib source: the first MODULE_CHARS of each module from index `start`."""
-    parts, total = [], 0
-    for path in stdlib_modules()[start:]:
-        text = path.read_text(encoding="utf-8", errors="replace")[:MODULE_CHARS]
-        parts.append(text)
-        total += len(text)
-        if total >= chars:
-            break
-    return "\n\n".join(parts)
+from ..stdlib_text import MODULE_CHARS, calibration_text, stdlib_modules  # noqa: F401  (re-exported)
 
 
 def calibration_ids(tokenizer, text: str | None, ids: Tensor | None, tokens: int) -> tuple[Tensor, str]:

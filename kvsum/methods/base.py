@@ -40,6 +40,7 @@ class LayerInput:
     key_scores: Tensor | None = None  # (H, T) attention received while re-reading (prefill(repeat=True))
     rope: dict | None = None  # this layer's Llama-form RoPE {inv_freq, scaling}, for methods that un-rotate keys
     fingerprint: dict | None = None  # the model's kvsum.shape.fingerprint, for methods with per-model artifacts
+    retrieval: Tensor | None = None  # (H,) each KV head's retrieval score (prefill(retrieval=True), kvsum.retrieval)
 
     @property
     def H(self) -> int:

@@ -22,17 +22,19 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
      garbled or not at all);
      at 3 bits a 64-token recent window, its newest 8 tokens exact beside the codes (LOCAL: the next tokens
      read the newest hardest, and 3-bit codes of them cost the continuation's first tokens most of its error),
-     and 3 anchors in 10 by SnapKV's vote of the observation window in place of summary's fitted summaries (the
-     sentences hold the facts, the vote what the continuation reads; a fitted summary returns less per byte), 45
-     in 100 below 0.1 of the bytes (VOTE_LOW: the fewer tokens held, the more of the continuation's error is what
-     the vote would keep; the answers held at 45 in 100 and fell beyond it), and
      keys one bit wider than values (skew=1: 4 and 2 bits; a logit error moves the attention over every token, a
-     value error only its own token's share of the output, which the unbiased values no longer shrink);
-     where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a head (b x T) the codes are
-     2-bit (more tokens kept, each coarser), with summary's own 32-token window, none exact: the window is a fixed
-     count of tokens, so at 0.03 of a 2k prompt's bytes (61 tokens' worth) it and its exact tokens take a third of
-     the budget and retrieval falls, where at 0.05 of 2k (102) and at 0.03 of 4k (123) the 3-bit configuration
-     above wins on both retrieval and KL;
+     value error only its own token's share of the output, which the unbiased values no longer shrink), and the
+     sentences kept only in the retrieval heads (RETRIEVAL: the top tenth of the model's KV heads by the
+     kvsum.retrieval probe, each with twice another head's bytes in its layer), every other head's anchors by
+     SnapKV's vote of the observation window: a fact asked after compression is copied by those few heads, the
+     others read what the continuation reads, so neither pays for the other's tokens (docs/results/flagship.md:
+     lower KL at every budget measured, retrieval level or higher);
+     without retrieval scores (a tokenizer that cannot encode, a window shorter than the probe) the same row with
+     the sentences in every head, 3 anchors in 10 by the vote in place of summary's fitted summaries (a fitted
+     summary returns less per byte), 45 in 100 below 0.1 of the bytes (VOTE_LOW: the answers held at 45 in 100
+     and fell beyond it), and where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a
+     head (b x T) 2-bit codes with summary's own 32-token window, none exact (more tokens, each coarser; at 0.03
+     of a 2k prompt's bytes, 61 tokens' worth, the 3-bit window took a third of the budget from the sentences);
   3. without sentence ends (no tokenizer given) the same composition on summary's own token scores.
 Every code of the rule reads its values unbiased (unbiased="values": Lloyd-Max codes shrink each value by about
 their distortion, and an attention output, an average over tokens, keeps the shrink while the codes' noise
@@ -73,6 +75,18 @@ LOCAL = {"summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share"
 VOTE, VOTE_LOW, VOTE_LOW_BELOW = 0.3, 0.45, 0.1  # the vote's share of the anchors, VOTE_LOW below 0.1 of the bytes
 
 
+RETRIEVAL = {"summary_retrieval_heads": 0.1, "summary_retrieval_weight": 2.0}
+
+
+def retrieval_row() -> tuple[str, dict, str]:
+    """The sentence composition at 3 bits with its window, the sentences in the retrieval heads alone."""
+    return (SENTENCES[0], {**SENTENCES[1], **LOCAL, **RETRIEVAL, "skew": 1},
+            SENTENCES[2] + f", a {LOCAL['summary_window']}-token window, its newest {LOCAL['summary_recent_exact']} "
+            f"tokens exact, the sentences in the top {RETRIEVAL['summary_retrieval_heads']:.0%} of the KV heads by "
+            f"retrieval score (each with {RETRIEVAL['summary_retrieval_weight']:g}x another head's bytes), every "
+            "other head's anchors by the observation window's vote, keys 4-bit and values 2-bit (skew=1)")
+
+
 def local_row(budget: float) -> tuple[str, dict, str]:
     """The sentence composition at 3 bits, the vote's share of the anchors by `budget`."""
     share = VOTE_LOW if budget < VOTE_LOW_BELOW else VOTE
@@ -105,11 +119,11 @@ def rows(budget: float, tokens: int, sentences: bool, shape: ModelShape | None =
     top = ([COVER_PRE_ROPE, COVER] if key_bias else [COVER]) if budget >= COVER_FROM else []
     held = budget * tokens  # 16-bit tokens' worth of bytes a head
     two = held < TWO_BITS_BELOW
-    codes = [SENTENCES if two else local_row(budget)] if sentences else []
-    codes.append(CODES)
+    why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
+    codes = [SENTENCES, CODES] if two else [local_row(budget), CODES]
     if two:
-        why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
         codes = [(name, {**knobs, "bits": 2}, why + why2) for name, knobs, why in codes]
+    codes = [retrieval_row(), *codes] if sentences else codes[1:]
     coded = [*top, *codes]
     light = head_dim > 0 and make_method("turboquant").lighter(head_dim) is not None  # the Hadamard matrix exists
     return [*(map(hadamard, coded) if light else coded), PLAIN]

@@ -32,6 +32,27 @@ def split_by_weight(total: int, weights: Tensor, floor: int, cap: int) -> list[i
     return [int(v) for v in n]
 
 
+def spread(means: Tensor, budget: float, base: float) -> list[float]:
+    """Layer fractions averaging `budget`: `base` each, the rest spread within [0.5, 1.5] x the mean by the
+    layers' diffuseness `means` (diffuse layers get more, no layer starves), none above 1."""
+    w = 0.5 + (means - means.min()) / (means.max() - means.min()).clamp_min(1e-6)
+    f = (base + (budget - base) * w / w.mean()).clamp(max=1.0)
+    return [float(v) for v in f * (budget * len(means) / f.sum()).clamp(max=1.0)]
+
+
+def floored(fractions: list[float], need: list[float]) -> tuple[list[float] | None, str]:
+    """`fractions` with each raised to its `need`, taken from the others' surplus in proportion (and a note), or
+    (None, "") where the surplus cannot pay for it."""
+    short = sum(max(0.0, n - f) for f, n in zip(fractions, need))
+    if not short:
+        return fractions, ""
+    surplus = sum(max(0.0, f - n) for f, n in zip(fractions, need))
+    if surplus < short:
+        return None, ""
+    return [n if f < n else f - (f - n) * short / surplus for f, n in zip(fractions, need)], \
+        "layer shares floored at the cover and sinks"
+
+
 def fit_chunk_summaries(logits: Tensor, q: Tensor, scale: float, keys: Tensor, values: Tensor, chunk: Tensor,
                         n_chunks: int, key_mode: str = "max", ridge: float = 1.0, refit: bool = True
                         ) -> tuple[Tensor, Tensor, Tensor]:

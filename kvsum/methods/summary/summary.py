@@ -31,9 +31,9 @@ from ..base import Choice, LayerInput, Method, Plan
 from ..quantizer import KeyShiftPlan, Quantizer
 from ..refusal import budget_hint, least_budget
 from ..registry import register
-from . import default, scores
+from . import default, heads, scores
 from .cover import EXCLUDED_BYTES, check_cover, make_cover
-from .fit import fit_chunk_summaries, split_by_weight
+from .fit import fit_chunk_summaries, floored, spread
 from .lowrank import LowRankState
 from .scores import SCORES
 
@@ -47,6 +47,7 @@ class SummaryPlan(KeyShiftPlan):
     diffuse: dict | None = None
     cover: Quantizer | None = None
     note: str = ""  # what the plan degraded to fit (for the states' notes)
+    retrieval: dict | None = None  # layer index -> (H,) True at the retrieval heads (heads.py); None: all alike
 
 
 @register
@@ -75,6 +76,9 @@ class Summary(Method):
         cover: a quantizer (e.g. TurboQuant(bits=3.5)) coding every non-anchor token instead (takes
             precedence over cover_share); its bits (else its default_bits) are used as given.
         key_share: share of the low-rank cover's rank given to keys (values are less compressible).
+        retrieval_heads: the share of the model's KV heads, by retrieval score, that keep the anchors as scored;
+            the others take every anchor by the vote (heads.py; needs entropy_allocation=False). 0: all alike.
+        retrieval_weight: a retrieval head's bytes over another head's of its layer.
         by_budget: with no other knob set, kvsum.compress configures summary by budget (default.py); False: as here.
     """
 
@@ -100,13 +104,17 @@ class Summary(Method):
     key_share: float = 0.25
     by_budget: bool = True
     attention_share: float = 0.0
+    retrieval_heads: float = 0.0
+    retrieval_weight: float = 2.0
 
     def __post_init__(self):
-        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share"):
+        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_heads"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
         if not 0 <= self.attention_share < 1:
             raise KVSumError(f"attention_share must be in [0, 1), got {self.attention_share}")
+        if self.retrieval_heads and self.entropy_allocation:
+            raise KVSumError("retrieval_heads sets each head's bytes itself: it needs entropy_allocation=False")
         if not 0 <= self.recent_exact <= self.window:
             raise KVSumError(f"recent_exact must be in [0, window={self.window}], got {self.recent_exact}")
         if self.anchor_share + self.lowrank_share > 1:
@@ -124,9 +132,9 @@ class Summary(Method):
 
     def prefill_options(self) -> dict:
         if self.by_budget and self == Summary():  # what any configuration of the rule needs
-            return {"surprisal": True, "sentences": "optional"}
+            return {"surprisal": True, "sentences": "optional", "retrieval": "optional"}
         return {"surprisal": self.score in ("hybrid", "surprisal", "sentence"), "repeat": self.score == "repeat",
-                "sentences": self.score == "sentence"}
+                "sentences": self.score == "sentence", "retrieval": self.retrieval_heads > 0}
 
     def plan(self, inputs: list[LayerInput], budget: float) -> SummaryPlan:
         """Diffuse layers get more bytes (within [0.5, 1.5] x the mean anchors' share, the cover's bytes the same
@@ -135,7 +143,8 @@ class Summary(Method):
         cover's lighter variant is used, in that order; a budget where neither fits is refused here, naming
         the smallest that fits."""
         if not self.entropy_allocation:
-            return SummaryPlan(tuple([budget] * len(inputs)), cover=self.cover)
+            return SummaryPlan(tuple([budget] * len(inputs)), cover=self.cover,
+                               retrieval=heads.masks(inputs, self.retrieval_heads))
         diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
         means = {i: float(v.mean()) for i, v in diffuse.items()}
         shifts = self.cover.key_shifts(means) if self.cover is not None else {}
@@ -160,27 +169,14 @@ class Summary(Method):
     def _fitted(self, inputs, budget: float, means: dict, shifts: dict, cover) -> tuple[list[float] | None, str]:
         """(the layers' fractions with `cover`, a note where they were floored at the cover and sinks), or
         (None, "") where the budget cannot hold them in every layer."""
-        fractions = self._fractions(inputs, budget, means, shifts, cover)
         need = [(self._cover(x, shifts.get(x.layer_idx, 0), cover)[1] + self._sink_bytes(x))
                 / full_nbytes(1, x.H, x.d, x.T) * (1 + 1e-9) for x in inputs]
-        short = sum(max(0.0, n - f) for f, n in zip(fractions, need))
-        if not short:
-            return fractions, ""
-        surplus = sum(max(0.0, f - n) for f, n in zip(fractions, need))
-        if surplus < short:
-            return None, ""
-        floored = [n if f < n else f - (f - n) * short / surplus for f, n in zip(fractions, need)]
-        return floored, "layer shares floored at the cover and sinks"
+        return floored(self._fractions(inputs, budget, means, shifts, cover), need)
 
     def _fractions(self, inputs, budget: float, means: dict, shifts: dict, cover) -> list[float]:
-        weight = torch.tensor([means[x.layer_idx] for x in inputs])
-        # spread within [0.5, 1.5] x the mean budget: diffuse layers get more, no layer starves
-        w = 0.5 + (weight - weight.min()) / (weight.max() - weight.min()).clamp_min(1e-6)
         x = inputs[0]  # the cover costs every layer the same; only the anchors' bytes are spread
-        base = min(budget, self._cover(x, shifts.get(x.layer_idx, 0), cover)[1]
-                   / (2 * x.H * x.T * x.d * 2))
-        f = (base + (budget - base) * w / w.mean()).clamp(max=1.0)
-        return [float(v) for v in f * (budget * len(inputs) / f.sum()).clamp(max=1.0)]
+        base = min(budget, self._cover(x, shifts.get(x.layer_idx, 0), cover)[1] / full_nbytes(1, x.H, x.d, x.T))
+        return spread(torch.tensor([means[i.layer_idx] for i in inputs]), budget, base)
 
     def _uncovered_note(self) -> str:
         return f"no cover: {self.cover.name}'s fixed costs exceed the layer's full bytes"
@@ -216,28 +212,27 @@ class Summary(Method):
                              f"of layer {x.layer_idx}; "
                              f"{budget_hint(spend + sinks, full).replace('budget', 'layer budget')}")
         left = int(x.budget_bytes - spend)
-        diffuse = plan.diffuse if isinstance(plan, SummaryPlan) and self.entropy_allocation else None
-        if diffuse is not None:  # diffuse heads get more of the layer's bytes
-            per_head = split_by_weight(left, 0.5 + diffuse[x.layer_idx], 0, left)
-        else:
-            per_head = [left // x.H] * x.H
+        diffuse = planned.diffuse[x.layer_idx] if planned.diffuse is not None and self.entropy_allocation else None
+        retrieval = planned.retrieval[x.layer_idx] if planned.retrieval is not None else None
+        per_head = heads.head_bytes(left, x.H, diffuse, retrieval, self.retrieval_weight)
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
-        votes = window_votes(x) if self.attention_share else None
-        heads = [self._head(x, h, per_head[h], info, votes, cover is not None) for h in range(x.H)]
+        votes = window_votes(x) if self.attention_share or retrieval is not None else None
+        kept = [self._head(x, h, per_head[h], info, votes, cover is not None, heads.voted(retrieval, h))
+                for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
-            for h, (a, _, _) in enumerate(heads):
+            for h, (a, _, _) in enumerate(kept):
                 exclude[h, a[2]] = True
-            entries = EntryState([a[0] for a, _, _ in heads], [a[1] for a, _, _ in heads], dtype=x.storage)
+            entries = EntryState([a[0] for a, _, _ in kept], [a[1] for a, _, _ in kept], dtype=x.storage)
             state = ConcatState([entries, cover(exclude)])
             notes = [planned.note, quant.lighter_note() if quant is not planned.cover else ""]
             state.note = "; ".join(dict.fromkeys(n for n in notes if n))
             return state
-        biases = [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]]) for a, s, _ in heads] \
+        biases = [torch.cat([torch.zeros(len(a[0]), device=a[0].device), s[1]]) for a, s, _ in kept] \
             if self.entry_bias else None
-        entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in heads],
-                             [torch.cat([a[1], s[2]]) for a, s, _ in heads], biases, dtype=x.storage)
-        lowrank = [lr for _, _, lr in heads]
+        entries = EntryState([torch.cat([a[0], s[0]]) for a, s, _ in kept],
+                             [torch.cat([a[1], s[2]]) for a, s, _ in kept], biases, dtype=x.storage)
+        lowrank = [lr for _, _, lr in kept]
         state = ConcatState([entries, LowRankState(lowrank, x.storage)]) if any(len(k) for k, _, _ in lowrank) \
             else entries
         note = "; ".join(dict.fromkeys(n for n in (planned.note, uncovered) if n))
@@ -255,14 +250,18 @@ class Summary(Method):
         """(a function exclude -> cover state, its bytes), or (None, 0) without a cover (cover.py)."""
         return make_cover(x, quant, shift, self.sinks, self.cover_share, self.key_share)
 
-    def _head(self, x: LayerInput, h: int, budget: int, info=None, votes=None, anchors_only: bool = False):
+    def _head(self, x: LayerInput, h: int, budget: int, info=None, votes=None, anchors_only: bool = False,
+              by_vote: bool = False):
         T, d, elem = x.T, x.d, x.storage.itemsize
         # key + value, and the bias slot summaries need or the index by which a cover skips an anchor
         entry = (2 * d + int(self.entry_bias and not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
         q, pos = group_queries(x, h, self.max_refs)
-        importance = scores.importance(x, q, pos, h, info, self.score)
-        if votes is not None:
-            importance = scores.interleave(importance, votes[h], self.attention_share)
+        if by_vote:  # not a retrieval head: what the continuation reads
+            importance = votes[h].clone()
+        else:
+            importance = scores.importance(x, q, pos, h, info, self.score)
+            if self.attention_share:
+                importance = scores.interleave(importance, votes[h], self.attention_share)
         # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
         n_anchor = min(T, int(budget * (1.0 if anchors_only else self.anchor_share)) // entry)
         lr_bytes = int(budget * self.lowrank_share)

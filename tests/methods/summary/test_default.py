@@ -7,7 +7,7 @@ import kvsum
 from kvsum.methods import make_method, prefill_needs
 from kvsum.methods.summary import default
 from kvsum.shape import ModelShape
-from tests.helpers import SentenceTokenizer, random_ids, tiny_llama, tiny_qwen2
+from tests.helpers import ProbeTokenizer, SentenceTokenizer, random_ids, tiny_llama, tiny_qwen2
 
 QUERY = torch.tensor([[5, 6, 7, 8]])
 
@@ -27,31 +27,37 @@ def test_the_rule_orders_its_configurations_by_budget():
     unbiased = {"unbiased": "values"}  # every code of the rule reads its values unbiased
     assert top[0] == ("summary", {"cover": kvsum.spec.Spec("turboquant", {"bits": 3.5, "center": True, **unbiased}),
                                   "score": "surprisal"})
-    assert top[1] == ("summary+turboquant", {"score": "sentence", "key_shift": 1, "center": True, **unbiased,
-                                             "entropy_allocation": False, "summary_window": 64,
-                                             "summary_recent_exact": 8, "summary_anchor_share": 1.0,
-                                             "summary_attention_share": 0.3, "skew": 1})
+    local = {"score": "sentence", "key_shift": 1, "center": True, **unbiased, "entropy_allocation": False,
+             "summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0}
+    assert top[1] == ("summary+turboquant", {**local, "summary_retrieval_heads": 0.1, "summary_retrieval_weight": 2.0,
+                                             "skew": 1})
+    assert top[2] == ("summary+turboquant", {**local, "summary_attention_share": 0.3, "skew": 1})  # without scores
     rule = default.choices(0.1, 2048, True)[0].method
     first = rule.first
     assert not first.entropy_allocation  # a sentence kept alike in every layer
     assert (first.window, first.recent_exact) == (64, 8)  # at 3 bits the newest tokens stay exact
-    assert (first.anchor_share, first.attention_share) == (1.0, 0.3)  # and the window's vote takes 3 anchors in 10
+    assert (first.anchor_share, first.attention_share) == (1.0, 0.0)  # sentences alone in the retrieval heads,
+    assert (first.retrieval_heads, first.retrieval_weight) == (0.1, 2.0)  # a tenth of them, twice the bytes
+    fallback = default.choices(0.1, 2048, True)[1].method.first
+    assert (fallback.retrieval_heads, fallback.attention_share) == (0.0, 0.3)  # the window's vote: 3 anchors in 10
     assert rule.quant.unbiased == "values"
     assert rule.quant.widths(3) == (4, 2)  # keys a bit wider than values
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
     low = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=False)]
     assert low == [("summary+turboquant", {"center": True, **unbiased, "entropy_allocation": False}),
                    ("summary", {"by_budget": False})]  # no cover, no sentences
-    low_vote = {**top[1][1], "summary_attention_share": 0.45}  # below 0.1 of the bytes the vote takes more anchors
-    assert default.choices(0.05, 2048, True)[0].knobs == low_vote  # 102 tokens' worth a head: 3 bits, the window
-    assert default.choices(0.0999, 4096, True)[0].method.first.attention_share == 0.45
-    assert default.choices(0.1, 4096, True)[0].method.first.attention_share == 0.3
+    low_vote = {**top[2][1], "summary_attention_share": 0.45}  # below 0.1 of the bytes the vote takes more anchors
+    assert default.choices(0.05, 2048, True)[0].knobs == top[1][1]  # the retrieval row at every budget below 0.25
+    assert default.choices(0.05, 2048, True)[1].knobs == low_vote  # 102 tokens' worth a head: 3 bits, the window
+    assert default.choices(0.0999, 4096, True)[1].method.first.attention_share == 0.45
+    assert default.choices(0.1, 4096, True)[1].method.first.attention_share == 0.3
     two = default.choices(0.03, 2048, sentences=True)  # 61 tokens' worth, under TWO_BITS_BELOW: the codes are 2-bit
-    assert [c.knobs.get("bits") for c in two] == [2, 2, None] and two[0].method.bits == 2
-    assert "61 < 80 tokens' worth" in two[0].why
-    assert default.choices(0.03, 4096, True)[0].knobs == low_vote  # the same budget of a longer prompt: 3 bits
-    assert default.choices(0.1, 700, True)[0].knobs.get("bits") == 2  # and a tenth of a short one: 2 bits
-    two_first = two[0].method.first
+    assert [c.knobs.get("bits") for c in two] == [None, 2, 2, None] and two[1].method.bits == 2
+    assert two[0].knobs == top[1][1]  # but the retrieval row first, at 3 bits
+    assert "61 < 80 tokens' worth" in two[1].why
+    assert default.choices(0.03, 4096, True)[1].knobs == low_vote  # the same budget of a longer prompt: 3 bits
+    assert default.choices(0.1, 700, True)[1].knobs.get("bits") == 2  # and a tenth of a short one: 2 bits
+    two_first = two[1].method.first
     assert (two_first.window, two_first.recent_exact, two_first.attention_share) == (32, 0, 0)  # 2 bits: sentences
     for c in two:  # every configuration the rule builds stands for itself
         assert c.method.choices(0.03, 100, True)[0].method is c.method
@@ -145,10 +151,28 @@ def test_a_configuration_that_does_not_fit_gives_way_and_the_decision_says_so():
 
 def test_sentence_ends_are_optional_for_the_rule_and_required_when_asked_for():
     auto, sentence = make_method("summary"), make_method("summary", score="sentence")
-    assert prefill_needs([auto]) == {"surprisal": True, "sentences": "optional"}
+    assert prefill_needs([auto]) == {"surprisal": True, "sentences": "optional", "retrieval": "optional"}
     assert prefill_needs([auto, sentence])["sentences"] is True
     model, ids = tiny_llama(), torch.randint(0, len(SentenceTokenizer.chars), (1, 200))
     assert kvsum.prefill(model, ids, **prefill_needs([auto])).sentence_ends is None  # no tokenizer: none
     assert kvsum.prefill(model, ids, tokenizer=SentenceTokenizer(), **prefill_needs([auto])).sentence_ends is not None
     with pytest.raises(kvsum.KVSumError, match="tokenizer"):
         kvsum.prefill(model, ids, **prefill_needs([sentence]))
+
+
+def test_the_rule_keeps_sentences_in_the_retrieval_heads_where_the_tokenizer_can_probe_them():
+    """With a tokenizer that encodes (the probe runs), the rule's first row below the cover holds the sentences in
+    the top tenth of the heads by retrieval score, the vote in the others, and equals that row asked for by name;
+    with one that only decodes (no scores) it takes the next row and says why."""
+    model = tiny_llama(layers=4, kv_heads=2)
+    ids = torch.randint(0, len(SentenceTokenizer.chars), (1, 600), generator=torch.Generator().manual_seed(5))
+    cache = kvsum.compress(model, ids, method="summary", budget=0.1, tokenizer=ProbeTokenizer())
+    assert cache.decision.knobs["summary_retrieval_heads"] == 0.1
+    lengths = [s.parts[-1].lengths() for s in (layer.state for layer in cache.layers)]
+    assert sum(len(set(n)) > 1 for n in lengths) == 1  # one head of 8 is a retrieval head: its layer is ragged
+    same = kvsum.compress(model, ids, method="summary+turboquant", budget=0.1, tokenizer=ProbeTokenizer(),
+                          **cache.decision.knobs)
+    assert cache.nbytes() == same.nbytes() and [s.parts[-1].lengths() for s in (x.state for x in same.layers)] \
+        == lengths
+    plain = kvsum.compress(model, ids, method="summary", budget=0.15, tokenizer=SentenceTokenizer())
+    assert plain.decision.knobs["summary_attention_share"] == 0.3 and "retrieval score" in plain.decision.reason
