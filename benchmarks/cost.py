@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             extra_s["surprisal"] = _timed(lambda: token_surprisal(model, hidden, ctx), repeat=3)[1]
     if extras.get("sentences"):  # the tokenizer decodes each distinct token id once
         extra_s["sentences"] = _timed(lambda: sentence_ends(tok, ctx[0]), repeat=3)[1]
+    if extras.get("retrieval"):  # the retrieval-head probe: once per model (run by the warm-up above), then read
+        extra_s["retrieval"] = 0.0
     if extras.get("repeat"):
         extra_s["repeat"] = max(_timed(lambda: kvsum.prefill(model, ctx, repeat=True))[1] - plain, 0.0)
     rows, caches = [], [kvsum.compress_prefill(pre, make_method("full"), 1.0)]

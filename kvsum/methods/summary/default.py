@@ -27,9 +27,9 @@ fraction of the full 16-bit cache) of a T-token prompt, from the measurements on
      sentences kept only in the retrieval heads (RETRIEVAL: the top tenth of the model's KV heads by the
      kvsum.retrieval probe, each with twice another head's bytes in its layer), every other head's anchors by
      SnapKV's vote of the observation window: a fact asked after compression is copied by those few heads, the
-     others read what the continuation reads, so neither pays for the other's tokens (docs/results/flagship.md:
-     lower KL at every budget measured, retrieval level or higher);
-     without retrieval scores (a tokenizer that cannot encode, a window shorter than the probe) the same row with
+     others read what the continuation reads, so neither pays for the other's tokens; below RETRIEVAL_BELOW
+     (from there the vote in every head drops facts the sentences would keep at little cost);
+     from there, or without retrieval scores (a tokenizer that cannot encode, a short window), the same row with
      the sentences in every head, 3 anchors in 10 by the vote in place of summary's fitted summaries (a fitted
      summary returns less per byte), 45 in 100 below 0.1 of the bytes (VOTE_LOW: the answers held at 45 in 100
      and fell beyond it), and where the budget holds fewer than TWO_BITS_BELOW tokens' worth of 16-bit bytes a
@@ -76,6 +76,7 @@ VOTE, VOTE_LOW, VOTE_LOW_BELOW = 0.3, 0.45, 0.1  # the vote's share of the ancho
 
 
 RETRIEVAL = {"summary_retrieval_heads": 0.1, "summary_retrieval_weight": 2.0}
+RETRIEVAL_BELOW = 0.125  # between those measured: 0.1 (level or better at 2k and 4k) and 0.125 (worse at 4k)
 
 
 def retrieval_row() -> tuple[str, dict, str]:
@@ -123,7 +124,7 @@ def rows(budget: float, tokens: int, sentences: bool, shape: ModelShape | None =
     codes = [SENTENCES, CODES] if two else [local_row(budget), CODES]
     if two:
         codes = [(name, {**knobs, "bits": 2}, why + why2) for name, knobs, why in codes]
-    codes = [retrieval_row(), *codes] if sentences else codes[1:]
+    codes = ([retrieval_row()] if budget < RETRIEVAL_BELOW else []) + codes if sentences else codes[1:]
     coded = [*top, *codes]
     light = head_dim > 0 and make_method("turboquant").lighter(head_dim) is not None  # the Hadamard matrix exists
     return [*(map(hadamard, coded) if light else coded), PLAIN]
