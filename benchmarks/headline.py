@@ -29,9 +29,8 @@ FAMILIES = {  # method name -> family (compositions: any name with "+")
     **dict.fromkeys(("echokv", "lowrank"), "reconstruction"),
     **dict.fromkeys(("summary", "hae"), "summary"),
 }
-RULE_SINCE = "2026-12-07T12"  # summary by budget holds its sentences in the retrieval heads below 0.25 since
 # the long-context column: Qwen2.5-Coder-0.5B, NIAH single on prose and code; the bf16 run (more examples) first
-LONG_SOURCES = ("long/long_flagship_16k.json", "long/long_suite_bf16.json", "long/long_suite.json")
+LONG_SOURCES = ("long/long_suite_bf16.json", "long/long_flagship_16k.json", "long/long_suite.json")
 LONG_LENGTHS = (16384, 32768)
 LONG_TASKS = ("niah_single", "niah_single_code")
 MIN_N = 20  # fewer examples than this only where nothing larger was measured (one example is 5 points at 20)
@@ -168,8 +167,8 @@ def long_cells(results: Path, table: list[dict]) -> None:
         t["long"] = None
         for src, data in sources:
             rows = data["rows"]
-            if t.get("chosen") and t["budget"] < COVER_FROM and data["meta"]["date"] < RULE_SINCE:
-                continue  # summary by budget below the cover measured before the rule's retrieval heads
+            if t.get("chosen") and t["budget"] < COVER_FROM:  # below the cover the rule's rows are the same on
+                rows = [r for r in rows if set(t["chosen"]) & set(r.get("chosen", ()))]  # every model: match them
             match = [r for r in rows if r["task"] in LONG_TASKS and spec in (r["config"], *r.get("chosen", ()))
                      and (r["budget"] == 1.0 if t["method"] == "full"
                           else t["budget"] / 2 < r["budget"] <= t["budget"])]
