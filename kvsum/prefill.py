@@ -200,10 +200,12 @@ def prefill(model, input_ids: Tensor, window: int = 64, sample: int = 192, surpr
         raise KVSumError("this method keeps whole sentences and needs the model's tokenizer to find them: "
                          "pass tokenizer= to kvsum.compress (or kvsum.prefill)")
     ends = sentence_ends(tokenizer, input_ids[0]) if sentences else None
-    if retrieval and tokenizer is None and retrieval != "optional":
+    if retrieval == "optional":  # where the tokenizer can encode the probe's text
+        retrieval = callable(tokenizer)
+    if retrieval and not callable(tokenizer):
         raise KVSumError("retrieval heads are probed with the model's tokenizer: pass tokenizer= to kvsum.compress "
                          "(or kvsum.prefill)")
-    heads = retrieval_scores(model, tokenizer) if retrieval and callable(tokenizer) else None
+    heads = retrieval_scores(model, tokenizer) if retrieval else None
     use_kvsum_attention(model)
     shape = ModelShape.of(model)
     cache = Cache(shape.n_layers, shape.windows)

@@ -79,22 +79,25 @@ RETRIEVAL = {"summary_retrieval_heads": 0.1, "summary_retrieval_weight": 2.0}
 RETRIEVAL_BELOW = 0.125  # between those measured: 0.1 (level or better at 2k and 4k) and 0.125 (worse at 4k)
 
 
-def retrieval_row() -> tuple[str, dict, str]:
-    """The sentence composition at 3 bits with its window, the sentences in the retrieval heads alone."""
-    return (SENTENCES[0], {**SENTENCES[1], **LOCAL, **RETRIEVAL, "skew": 1},
+def _local(anchors: dict, why: str) -> tuple[str, dict, str]:
+    """The sentence composition at 3 bits (keys 4, values 2) with LOCAL's window, `anchors` placing the vote."""
+    return (SENTENCES[0], {**SENTENCES[1], **LOCAL, **anchors, "skew": 1},
             SENTENCES[2] + f", a {LOCAL['summary_window']}-token window, its newest {LOCAL['summary_recent_exact']} "
-            f"tokens exact, the sentences in the top {RETRIEVAL['summary_retrieval_heads']:.0%} of the KV heads by "
-            f"retrieval score (each with {RETRIEVAL['summary_retrieval_weight']:g}x another head's bytes), every "
-            "other head's anchors by the observation window's vote, keys 4-bit and values 2-bit (skew=1)")
+            f"tokens exact, {why}, keys 4-bit and values 2-bit (skew=1)")
+
+
+def retrieval_row() -> tuple[str, dict, str]:
+    """The 3-bit row with the sentences in the retrieval heads alone, the vote in every other head."""
+    return _local(RETRIEVAL, f"the sentences in the top {RETRIEVAL['summary_retrieval_heads']:.0%} of the KV heads by "
+                             f"retrieval score (each with {RETRIEVAL['summary_retrieval_weight']:g}x another head's "
+                             "bytes), every other head's anchors by the observation window's vote")
 
 
 def local_row(budget: float) -> tuple[str, dict, str]:
-    """The sentence composition at 3 bits, the vote's share of the anchors by `budget`."""
+    """The 3-bit row with the sentences in every head, the vote's share of the anchors by `budget`."""
     share = VOTE_LOW if budget < VOTE_LOW_BELOW else VOTE
-    return (SENTENCES[0], {**SENTENCES[1], **LOCAL, "summary_attention_share": share, "skew": 1},
-            SENTENCES[2] + f", a {LOCAL['summary_window']}-token window, its newest {LOCAL['summary_recent_exact']} "
-            f"tokens exact, {share:.0%} of the anchors by the observation window's vote instead of fitted summaries, "
-            "keys 4-bit and values 2-bit (skew=1)")
+    return _local({"summary_attention_share": share},
+                  f"{share:.0%} of the anchors by the observation window's vote instead of fitted summaries")
 
 CODES = ("summary+turboquant", dict(CODED),
          "summary's selection as centered TurboQuant codes, the same share per layer")
@@ -120,11 +123,13 @@ def rows(budget: float, tokens: int, sentences: bool, shape: ModelShape | None =
     top = ([COVER_PRE_ROPE, COVER] if key_bias else [COVER]) if budget >= COVER_FROM else []
     held = budget * tokens  # 16-bit tokens' worth of bytes a head
     two = held < TWO_BITS_BELOW
-    why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
-    codes = [SENTENCES, CODES] if two else [local_row(budget), CODES]
+    codes = [SENTENCES if two else local_row(budget)] if sentences else []
+    codes.append(CODES)
     if two:
+        why2 = f", 2-bit (the budget holds {held:.0f} < {TWO_BITS_BELOW} tokens' worth of bytes a head)"
         codes = [(name, {**knobs, "bits": 2}, why + why2) for name, knobs, why in codes]
-    codes = ([retrieval_row()] if budget < RETRIEVAL_BELOW else []) + codes if sentences else codes[1:]
+    if sentences and budget < RETRIEVAL_BELOW:  # at 3 bits whatever the budget holds; without scores the next
+        codes.insert(0, retrieval_row())
     coded = [*top, *codes]
     light = head_dim > 0 and make_method("turboquant").lighter(head_dim) is not None  # the Hadamard matrix exists
     return [*(map(hadamard, coded) if light else coded), PLAIN]
