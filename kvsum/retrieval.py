@@ -7,7 +7,7 @@ FACTS planted sentences "The number of the <word> is <digits>.", then each one a
 teacher-forced. A KV head's score is the attention mass that its query group's answering positions put on the
 asked fact's digits (mean over the digits and facts, max over the group): near 1 for a head that copies, near 0
 for the rest. Summary keeps whole sentences in the top-scored heads and gives the others what the continuation
-reads (its `retrieval_heads` knob). One forward of about PROBE_TOKENS tokens per model: memoized per model
+reads (its `retrieval_score` knob). One forward of about PROBE_TOKENS tokens per model: memoized per model
 object, and saved under kvsum's cache folder by the model's fingerprint (kvsum.shape), so a later process reads it.
 """
 

@@ -61,14 +61,14 @@ def test_prefill_probes_only_when_asked_and_needs_a_tokenizer_unless_optional():
         prefill(model, ids, retrieval=True)
     pre = prefill(model, ids, tokenizer=tok, retrieval=True, surprisal=True)
     assert pre.retrieval is retrieval_scores(model, tok)
-    cache = kvsum.compress_prefill(pre, kvsum.make_method("summary", retrieval_heads=0.5, entropy_allocation=False),
+    cache = kvsum.compress_prefill(pre, kvsum.make_method("summary", retrieval_score=0.5, entropy_allocation=False),
                                    0.3)
     assert cache.get_seq_length() == ids.shape[1]
 
 
 def test_scores_are_saved_by_fingerprint_and_read_back_without_a_forward(tmp_path, monkeypatch):
     import kvsum.retrieval as retrieval
-    monkeypatch.setenv("KVSUM_CACHE", str(tmp_path))
+    monkeypatch.setattr(retrieval, "cache_dir", lambda: tmp_path)
     model, tok = tiny_llama(seed=3), CharTokenizer()
     first = retrieval_scores(model, tok)
     assert len(list((tmp_path / "retrieval").glob("*.pt"))) == 1

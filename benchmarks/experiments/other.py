@@ -149,8 +149,7 @@ EXPERIMENTS = [
                                   for n in ("6", "9")))),
     Experiment("long_flagship_16k", "long", "long_suite", "the flagship by budget at 0.10 / 0.05 since it keeps the "
                "sentences in the retrieval heads alone: NIAH single (prose, code) at 16k on Qwen in bf16, chat, "
-               "long_suite_bf16's ten examples at 16k (stopped for time after the first: the counts are in the "
-               "file; `--first` resumes), the full cache beside", threads=2,
+               "long_suite_bf16's ten examples at 16k, the full cache beside", threads=2,
                runs=(bf16(("full", "summary@0.1,0.05"), "--lengths", "16384", "--n", "5"),)),
     Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "

@@ -42,6 +42,21 @@ def test_whole_sentences_keep_facts_on_smollm2(smollm2):
 
 
 @pytest.mark.model
+def test_the_rules_retrieval_threshold_takes_a_tenth_of_smollm2s_heads_clear_of_any(smollm2):
+    """The threshold sits between heads, not on one: on SmolLM2 it takes the 9 of 90 KV heads chosen on dev (a
+    tenth), none within 0.01 of it (the rule takes the same heads where the probe's sums round otherwise)."""
+    import torch
+
+    from kvsum.methods.summary.default import RETRIEVAL
+    from kvsum.retrieval import retrieval_scores
+
+    model, tok = smollm2
+    flat = torch.cat(list(retrieval_scores(model, tok).values()))
+    cut = RETRIEVAL["summary_retrieval_score"]
+    assert int((flat >= cut).sum()) == 9 and float((flat - cut).abs().min()) > 0.01
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_full_is_bit_identical_to_dynamic_cache_smollm2(attn, smollm2):
     model, tok = smollm2

@@ -1,16 +1,17 @@
 """Retrieval heads in summary: sentences kept where a question will read them, the vote everywhere else.
 
 A fact asked after compression is copied by a few KV heads (kvsum.retrieval scores them once per model); the
-rest read what the continuation reads. With `retrieval_heads` = s, the top s of the model's KV heads by that
-score keep their anchors as summary scores them (whole sentences, with the configured share by the vote), each
-with `retrieval_weight` times another head's bytes in its layer (the sentence that holds the fact must be
-among the kept ones); every other head takes all its anchors by SnapKV's vote of the observation window.
-Without scores (no tokenizer, or a model whose window cannot hold the probe) it refuses.
+rest read what the continuation reads. With `retrieval_score` = s, the KV heads whose score is at least s (and the
+top one, whatever its score) keep their anchors as summary scores them (whole sentences, with the configured share
+by the vote), each with `retrieval_weight` times another head's bytes in its layer (the sentence that holds the
+fact must be among the kept ones); every other head takes all its anchors by SnapKV's vote of the observation
+window. A threshold on the score, not a share of the heads: a KV head counts where some query head of its group
+copies, so a model with larger query groups (Qwen2.5's 7 to a KV head, SmolLM2's 3) has a larger share of such
+heads. Without scores (no tokenizer, or a model whose window cannot hold the probe) it refuses.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ...errors import KVSumError
@@ -18,18 +19,17 @@ from ...retrieval import PROBE_TOKENS
 from .fit import split_by_weight
 
 
-def masks(inputs, share: float) -> dict[int, Tensor] | None:
-    """Per layer, (H,) True at the KV heads among the top `share` of all layers' heads by retrieval score;
-    None where `share` is 0. Without scores (no tokenizer, or a window too short for the probe) it refuses, so
-    that summary by budget takes its next configuration."""
-    if not share:
+def masks(inputs, score: float) -> dict[int, Tensor] | None:
+    """Per layer, (H,) True at the KV heads whose retrieval score is at least `score`, and at the top one of all
+    layers'; None where `score` is 0. Without scores (no tokenizer, or a window too short for the probe) it
+    refuses, so that summary by budget takes its next configuration."""
+    if not score:
         return None
     if any(x.retrieval is None for x in inputs):
-        raise KVSumError("retrieval_heads needs each KV head's retrieval score, probed with the model's tokenizer "
+        raise KVSumError("retrieval_score needs each KV head's retrieval score, probed with the model's tokenizer "
                          "(kvsum.compress(..., tokenizer=tokenizer)); a model whose window is shorter than the probe "
                          f"({PROBE_TOKENS} tokens and its questions) has none")
-    flat = torch.cat([x.retrieval.flatten() for x in inputs])
-    cut = flat.sort(descending=True).values[max(1, round(share * flat.numel())) - 1]
+    cut = min(score, max(float(x.retrieval.max()) for x in inputs))
     return {x.layer_idx: x.retrieval >= cut for x in inputs}
 
 

@@ -76,8 +76,9 @@ class Summary(Method):
         cover: a quantizer (e.g. TurboQuant(bits=3.5)) coding every non-anchor token instead (takes
             precedence over cover_share); its bits (else its default_bits) are used as given.
         key_share: share of the low-rank cover's rank given to keys (values are less compressible).
-        retrieval_heads: the share of the model's KV heads, by retrieval score, that keep the anchors as scored;
-            the others take every anchor by the vote (heads.py; needs entropy_allocation=False). 0: all alike.
+        retrieval_score: the KV heads whose retrieval score (kvsum.retrieval) is at least this, and the top one,
+            keep the anchors as scored; the others take every anchor by the vote (heads.py; needs
+            entropy_allocation=False). 0: all alike.
         retrieval_weight: a retrieval head's bytes over another head's of its layer.
         by_budget: with no other knob set, kvsum.compress configures summary by budget (default.py); False: as here.
     """
@@ -104,17 +105,17 @@ class Summary(Method):
     key_share: float = 0.25
     by_budget: bool = True
     attention_share: float = 0.0
-    retrieval_heads: float = 0.0
+    retrieval_score: float = 0.0
     retrieval_weight: float = 2.0
 
     def __post_init__(self):
-        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_heads"):
+        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
         if not 0 <= self.attention_share < 1:
             raise KVSumError(f"attention_share must be in [0, 1), got {self.attention_share}")
-        if self.retrieval_heads and self.entropy_allocation:
-            raise KVSumError("retrieval_heads sets each head's bytes itself: it needs entropy_allocation=False")
+        if self.retrieval_score and self.entropy_allocation:
+            raise KVSumError("retrieval_score sets each head's bytes itself: it needs entropy_allocation=False")
         if not 0 <= self.recent_exact <= self.window:
             raise KVSumError(f"recent_exact must be in [0, window={self.window}], got {self.recent_exact}")
         if self.anchor_share + self.lowrank_share > 1:
@@ -134,7 +135,7 @@ class Summary(Method):
         if self.by_budget and self == Summary():  # what any configuration of the rule needs
             return {"surprisal": True, "sentences": "optional", "retrieval": "optional"}
         return {"surprisal": self.score in ("hybrid", "surprisal", "sentence"), "repeat": self.score == "repeat",
-                "sentences": self.score == "sentence", "retrieval": self.retrieval_heads > 0}
+                "sentences": self.score == "sentence", "retrieval": self.retrieval_score > 0}
 
     def plan(self, inputs: list[LayerInput], budget: float) -> SummaryPlan:
         """Diffuse layers get more bytes (within [0.5, 1.5] x the mean anchors' share, the cover's bytes the same
@@ -144,7 +145,7 @@ class Summary(Method):
         the smallest that fits."""
         if not self.entropy_allocation:
             return SummaryPlan(tuple([budget] * len(inputs)), cover=self.cover,
-                               retrieval=heads.masks(inputs, self.retrieval_heads))
+                               retrieval=heads.masks(inputs, self.retrieval_score))
         diffuse = {x.layer_idx: head_diffuseness(x) for x in inputs}
         means = {i: float(v.mean()) for i, v in diffuse.items()}
         shifts = self.cover.key_shifts(means) if self.cover is not None else {}

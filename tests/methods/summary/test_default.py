@@ -31,8 +31,9 @@ def test_the_rule_orders_its_configurations_by_budget():
              "summary_window": 64, "summary_recent_exact": 8, "summary_anchor_share": 1.0}
     assert top[1] == ("summary+turboquant", {**local, "summary_attention_share": 0.3, "skew": 1})  # the vote's 3 in 10
     tenth = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=True)]
-    assert tenth[0] == ("summary+turboquant", {**local, "summary_retrieval_heads": 0.1, "summary_retrieval_weight": 2.0,
-                                               "skew": 1})  # below RETRIEVAL_BELOW: the retrieval heads' sentences
+    retrieval = {"summary_retrieval_score": 0.14, "summary_retrieval_weight": 2.0}
+    assert tenth[0] == ("summary+turboquant", {**local, **retrieval, "skew": 1})  # below RETRIEVAL_BELOW: the
+    # retrieval heads' sentences
     assert tenth[1] == top[1]  # then, without scores, the sentences in every head
     assert default.choices(0.125, 2048, True)[0].knobs == top[1][1]  # from RETRIEVAL_BELOW the vote in every head
     rule = default.choices(0.1, 2048, True)[0].method
@@ -40,9 +41,9 @@ def test_the_rule_orders_its_configurations_by_budget():
     assert not first.entropy_allocation  # a sentence kept alike in every layer
     assert (first.window, first.recent_exact) == (64, 8)  # at 3 bits the newest tokens stay exact
     assert (first.anchor_share, first.attention_share) == (1.0, 0.0)  # sentences alone in the retrieval heads,
-    assert (first.retrieval_heads, first.retrieval_weight) == (0.1, 2.0)  # a tenth of them, twice the bytes
+    assert (first.retrieval_score, first.retrieval_weight) == (0.14, 2.0)  # those scoring 0.14, twice the bytes
     fallback = default.choices(0.1, 2048, True)[1].method.first
-    assert (fallback.retrieval_heads, fallback.attention_share) == (0.0, 0.3)  # the window's vote: 3 anchors in 10
+    assert (fallback.retrieval_score, fallback.attention_share) == (0.0, 0.3)  # the window's vote: 3 anchors in 10
     assert rule.quant.unbiased == "values"
     assert rule.quant.widths(3) == (4, 2)  # keys a bit wider than values
     assert top[-1] == ("summary", {"by_budget": False})  # summary's own defaults come last
@@ -165,14 +166,14 @@ def test_sentence_ends_are_optional_for_the_rule_and_required_when_asked_for():
 
 def test_the_rule_keeps_sentences_in_the_retrieval_heads_where_the_tokenizer_can_probe_them():
     """With a tokenizer that encodes (the probe runs), the rule's first row below the cover holds the sentences in
-    the top tenth of the heads by retrieval score, the vote in the others, and equals that row asked for by name;
+    the heads of retrieval score at least 0.14, the vote in the others, and equals that row asked for by name;
     with one that only decodes (no scores) it takes the next row and says why."""
     model = tiny_llama(layers=4, kv_heads=2)
     ids = torch.randint(0, len(SentenceTokenizer.chars), (1, 900), generator=torch.Generator().manual_seed(5))
     cache = kvsum.compress(model, ids, method="summary", budget=0.1, tokenizer=ProbeTokenizer())
-    assert cache.decision.knobs["summary_retrieval_heads"] == 0.1
+    assert cache.decision.knobs["summary_retrieval_score"] == 0.14
     lengths = [s.parts[-1].lengths() for s in (layer.state for layer in cache.layers)]
-    assert sum(len(set(n)) > 1 for n in lengths) == 1  # one head of 8 is a retrieval head: its layer is ragged
+    assert sum(len(set(n)) > 1 for n in lengths) == 1  # none scores 0.14: the top head alone, its layer ragged
     same = kvsum.compress(model, ids, method="summary+turboquant", budget=0.1, tokenizer=ProbeTokenizer(),
                           **cache.decision.knobs)
     assert cache.nbytes() == same.nbytes() and [s.parts[-1].lengths() for s in (x.state for x in same.layers)] \
