@@ -9,14 +9,16 @@ import torch
 from tests.helpers import assert_full_is_dynamic_cache, greedy_logits, random_ids, tiny_llama  # noqa: F401
 
 
-@pytest.fixture(autouse=True)
-def _probe_scores_in_tmp(tmp_path_factory, monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _probe_scores_in_tmp(tmp_path_factory):
     """The retrieval probe saves its scores under the session's temporary folder, not the user's kvsum cache (the
     tiny random models' scores are of no use there; the bundled models' are measured again once a session)."""
     import kvsum.retrieval
 
     folder = tmp_path_factory.getbasetemp() / "kvsum-cache"
-    monkeypatch.setattr(kvsum.retrieval, "cache_dir", lambda: folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kvsum.retrieval, "cache_dir", lambda: folder)
+        yield
 
 
 @pytest.fixture

@@ -32,8 +32,8 @@ def test_the_rule_orders_its_configurations_by_budget():
     assert top[1] == ("summary+turboquant", {**local, "summary_attention_share": 0.3, "skew": 1})  # the vote's 3 in 10
     tenth = [(c.name, c.knobs) for c in default.choices(0.1, 2048, sentences=True)]
     retrieval = {"summary_retrieval_score": 0.14, "summary_retrieval_weight": 2.0}
-    assert tenth[0] == ("summary+turboquant", {**local, **retrieval, "skew": 1})  # below RETRIEVAL_BELOW: the
-    # retrieval heads' sentences
+    # below RETRIEVAL_BELOW: the sentences in the retrieval heads alone
+    assert tenth[0] == ("summary+turboquant", {**local, **retrieval, "skew": 1})
     assert tenth[1] == top[1]  # then, without scores, the sentences in every head
     assert default.choices(0.125, 2048, True)[0].knobs == top[1][1]  # from RETRIEVAL_BELOW the vote in every head
     rule = default.choices(0.1, 2048, True)[0].method

@@ -28,14 +28,14 @@ def test_masks_take_the_heads_scoring_at_least_the_threshold_and_the_top_one():
         heads.masks([a, dataclasses.replace(b, retrieval=None)], 0.5)
 
 
-def test_head_bytes_weigh_retrieval_score_and_sum_within_the_layer():
+def test_head_bytes_weigh_retrieval_heads_and_sum_within_the_layer():
     got = heads.head_bytes(9000, 3, None, torch.tensor([True, False, False]), 2.0)
     assert got == [4500, 2250, 2250]
     assert heads.head_bytes(9000, 3, None, torch.tensor([True, True, True]), 2.0) == [3000] * 3
     assert heads.head_bytes(9000, 3, None, None, 2.0) == [3000] * 3
 
 
-def test_other_heads_keep_what_the_vote_ranks_first_and_retrieval_score_get_their_bytes():
+def test_other_heads_keep_what_the_vote_ranks_first_and_retrieval_heads_get_their_bytes():
     x = _layer([1.0, 0.0], budget=0.2)
     m = make_method("summary", retrieval_score=0.5, entropy_allocation=False, anchor_share=1.0, score="surprisal",
                     window=8, sinks=2)
@@ -53,6 +53,7 @@ def test_other_heads_keep_what_the_vote_ranks_first_and_retrieval_score_get_thei
     info = scores.information(x, "surprisal", plain.span)
     (k0, _), _, _ = plain._head(x, 0, n0 * x.entry_bytes(), info)  # summary's own ranking, at the head's bytes
     assert torch.equal(state.keys[:n0].float(), k0)  # the retrieval head keeps what summary scores first
+
 
 def test_retrieval_score_needs_the_same_share_per_head_and_a_valid_score():
     with pytest.raises(KVSumError, match="entropy_allocation=False"):
