@@ -77,9 +77,10 @@ class Summary(Method):
             precedence over cover_share); its bits (else its default_bits) are used as given.
         key_share: share of the low-rank cover's rank given to keys (values are less compressible).
         retrieval_score: the KV heads whose retrieval score (kvsum.retrieval) is at least this, and the top one,
-            keep the anchors as scored; the others take every anchor by the vote (heads.py; needs
+            keep the anchors as scored; the others take `retrieval_vote` of theirs by the vote (heads.py; needs
             entropy_allocation=False). 0: all alike.
         retrieval_weight: a retrieval head's bytes over another head's of its layer.
+        retrieval_vote: with retrieval_score, the share of the other heads' anchors taken by the vote (1: all).
         by_budget: with no other knob set, kvsum.compress configures summary by budget (default.py); False: as here.
     """
 
@@ -107,9 +108,11 @@ class Summary(Method):
     attention_share: float = 0.0
     retrieval_score: float = 0.0
     retrieval_weight: float = 2.0
+    retrieval_vote: float = 1.0
 
     def __post_init__(self):
-        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score"):
+        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score",
+                     "retrieval_vote"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
         if not 0 <= self.attention_share < 1:
@@ -218,8 +221,8 @@ class Summary(Method):
         per_head = heads.head_bytes(left, x.H, diffuse, retrieval, self.retrieval_weight)
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
         votes = window_votes(x) if self.attention_share or retrieval is not None else None
-        kept = [self._head(x, h, per_head[h], info, votes, cover is not None, heads.voted(retrieval, h))
-                for h in range(x.H)]
+        shares = heads.vote_shares(retrieval, x.H, self.attention_share, self.retrieval_vote)
+        kept = [self._head(x, h, per_head[h], info, votes, cover is not None, shares[h]) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
             for h, (a, _, _) in enumerate(kept):
@@ -252,17 +255,18 @@ class Summary(Method):
         return make_cover(x, quant, shift, self.sinks, self.cover_share, self.key_share)
 
     def _head(self, x: LayerInput, h: int, budget: int, info=None, votes=None, anchors_only: bool = False,
-              by_vote: bool = False):
+              vote: float | None = None):
         T, d, elem = x.T, x.d, x.storage.itemsize
         # key + value, and the bias slot summaries need or the index by which a cover skips an anchor
         entry = (2 * d + int(self.entry_bias and not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
         q, pos = group_queries(x, h, self.max_refs)
-        if by_vote:  # not a retrieval head: what the continuation reads
+        vote = self.attention_share if vote is None else vote  # the vote's share of this head's anchors
+        if vote >= 1:  # every anchor by the vote: what the continuation reads
             importance = votes[h].clone()
         else:
             importance = scores.importance(x, q, pos, h, info, self.score)
-            if self.attention_share:
-                importance = scores.interleave(importance, votes[h], self.attention_share)
+            if vote:
+                importance = scores.interleave(importance, votes[h], vote)
         # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
         n_anchor = min(T, int(budget * (1.0 if anchors_only else self.anchor_share)) // entry)
         lr_bytes = int(budget * self.lowrank_share)
