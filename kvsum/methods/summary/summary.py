@@ -111,8 +111,7 @@ class Summary(Method):
     retrieval_vote: float = 1.0
 
     def __post_init__(self):
-        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score",
-                     "retrieval_vote"):
+        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score", "retrieval_vote"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
         if not 0 <= self.attention_share < 1:
@@ -261,12 +260,10 @@ class Summary(Method):
         entry = (2 * d + int(self.entry_bias and not anchors_only)) * elem + (EXCLUDED_BYTES if anchors_only else 0)
         q, pos = group_queries(x, h, self.max_refs)
         vote = self.attention_share if vote is None else vote  # the vote's share of this head's anchors
-        if vote >= 1:  # every anchor by the vote: what the continuation reads
-            importance = votes[h].clone()
-        else:
-            importance = scores.importance(x, q, pos, h, info, self.score)
-            if vote:
-                importance = scores.interleave(importance, votes[h], vote)
+        # all by the vote (what the continuation reads), else the score's ranking with that share by the vote
+        importance = votes[h].clone() if vote >= 1 else scores.importance(x, q, pos, h, info, self.score)
+        if 0 < vote < 1:
+            importance = scores.interleave(importance, votes[h], vote)
         # bytes -> entries: anchors first, then the low-rank tier, the rest to summaries
         n_anchor = min(T, int(budget * (1.0 if anchors_only else self.anchor_share)) // entry)
         lr_bytes = int(budget * self.lowrank_share)
