@@ -49,4 +49,4 @@ def vote_shares(retrieval: Tensor | None, H: int, share: float, others: float) -
     retrieval heads), `others` in the rest."""
     if retrieval is None:
         return [share] * H
-    return [share if bool(retrieval[h]) else others for h in range(H)]
+    return [share if r else others for r in retrieval.tolist()]

@@ -219,8 +219,8 @@ class Summary(Method):
         retrieval = planned.retrieval[x.layer_idx] if planned.retrieval is not None else None
         per_head = heads.head_bytes(left, x.H, diffuse, retrieval, self.retrieval_weight)
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
-        votes = window_votes(x) if self.attention_share or retrieval is not None else None
         shares = heads.vote_shares(retrieval, x.H, self.attention_share, self.retrieval_vote)
+        votes = window_votes(x) if any(shares) else None  # only where some head takes anchors by the vote
         kept = [self._head(x, h, per_head[h], info, votes, cover is not None, shares[h]) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
