@@ -151,6 +151,10 @@ EXPERIMENTS = [
                "sentences in the retrieval heads alone: NIAH single (prose, code) at 16k on Qwen in bf16, chat, "
                "long_suite_bf16's ten examples at 16k, the full cache beside", threads=2,
                runs=(bf16(("full", "summary@0.1,0.05"), "--lengths", "16384", "--n", "5"),)),
+    Experiment("long_flagship_32k", "long", "long_suite", "the same at 32k: the flagship by budget at 0.10 / 0.05 "
+               "with the sentences in the retrieval heads alone, NIAH single (prose, code) on Qwen in bf16, chat, "
+               "long_suite_bf16's first three examples a haystack at 32k (depths 0.1-0.3), the full cache beside",
+               threads=2, runs=(bf16(("full", "summary@0.1,0.05"), "--lengths", "32768", "--n", "3"),)),
     Experiment("long_suite_tasks_bf16", "long", "long_suite", "the suite's other tasks (NIAH multikey / multivalue / "
                "multiquery, variable tracking, common / frequent words; prose and code) at 16k in bf16, chat: the "
                "flagship by budget and the best quantization and eviction beside the full cache (four examples "

@@ -4,11 +4,12 @@ A fact asked after compression is copied by a few KV heads (kvsum.retrieval scor
 rest read what the continuation reads. With `retrieval_score` = s, the KV heads whose score is at least s (and the
 top one, whatever its score) keep their anchors as summary scores them (whole sentences, with the configured share
 by the vote), each with `retrieval_weight` times another head's bytes in its layer (the sentence that holds the
-fact must be among the kept ones); every other head takes `retrieval_vote` of its anchors (by default all) by
-SnapKV's vote of the observation window, the rest as summary scores them. A threshold on the score, not a share
-of the heads: a KV head counts where some query head of its group copies, so a model with larger query groups
-(Qwen2.5's 7 to a KV head, SmolLM2's 3) has a larger share of such heads. Without scores (no tokenizer, or a
-model whose window cannot hold the probe) it refuses.
+fact must be among the kept ones); every other head takes all its anchors by SnapKV's vote of the observation
+window (a share of them as summary scores them, whole sentences, answered more long values and cost the
+continuation more than SnapKV's selection as codes: docs/results/flagship.md). A threshold on the score, not a
+share of the heads: a KV head counts where some query head of its group copies, so a model with larger query
+groups (Qwen2.5's 7 to a KV head, SmolLM2's 3) has a larger share of such heads. Without scores (no tokenizer, or
+a model whose window cannot hold the probe) it refuses.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def head_bytes(left: int, H: int, diffuse: Tensor | None, retrieval: Tensor | No
     return [left // H] * H
 
 
-def vote_shares(retrieval: Tensor | None, H: int, share: float, others: float) -> list[float]:
+def vote_shares(retrieval: Tensor | None, H: int, share: float) -> list[float]:
     """Each head's share of its anchors by the vote: `share` in a retrieval head (and in every head without
-    retrieval heads), `others` in the rest."""
+    retrieval heads), all of them in the rest."""
     if retrieval is None:
         return [share] * H
-    return [share if r else others for r in retrieval.tolist()]
+    return [share if r else 1.0 for r in retrieval.tolist()]

@@ -77,10 +77,9 @@ class Summary(Method):
             precedence over cover_share); its bits (else its default_bits) are used as given.
         key_share: share of the low-rank cover's rank given to keys (values are less compressible).
         retrieval_score: the KV heads whose retrieval score (kvsum.retrieval) is at least this, and the top one,
-            keep the anchors as scored; the others take `retrieval_vote` of theirs by the vote (heads.py; needs
+            keep the anchors as scored; the others take every anchor by the vote (heads.py; needs
             entropy_allocation=False). 0: all alike.
         retrieval_weight: a retrieval head's bytes over another head's of its layer.
-        retrieval_vote: with retrieval_score, the share of the other heads' anchors taken by the vote (1: all).
         by_budget: with no other knob set, kvsum.compress configures summary by budget (default.py); False: as here.
     """
 
@@ -108,10 +107,9 @@ class Summary(Method):
     attention_share: float = 0.0
     retrieval_score: float = 0.0
     retrieval_weight: float = 2.0
-    retrieval_vote: float = 1.0
 
     def __post_init__(self):
-        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score", "retrieval_vote"):
+        for knob in ("anchor_share", "lowrank_share", "cover_share", "key_share", "retrieval_score"):
             if not 0 <= getattr(self, knob) <= 1:
                 raise KVSumError(f"{knob} must be in [0, 1], got {getattr(self, knob)}")
         if not 0 <= self.attention_share < 1:
@@ -219,7 +217,7 @@ class Summary(Method):
         retrieval = planned.retrieval[x.layer_idx] if planned.retrieval is not None else None
         per_head = heads.head_bytes(left, x.H, diffuse, retrieval, self.retrieval_weight)
         info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
-        shares = heads.vote_shares(retrieval, x.H, self.attention_share, self.retrieval_vote)
+        shares = heads.vote_shares(retrieval, x.H, self.attention_share)
         votes = window_votes(x) if any(shares) else None  # only where some head takes anchors by the vote
         kept = [self._head(x, h, per_head[h], info, votes, cover is not None, shares[h]) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover

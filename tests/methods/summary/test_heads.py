@@ -62,19 +62,3 @@ def test_retrieval_score_needs_the_same_share_per_head_and_a_valid_score():
         make_method("summary", retrieval_score=1.5, entropy_allocation=False)
     assert make_method("summary", retrieval_score=0.1, entropy_allocation=False).prefill_options()["retrieval"]
 
-
-def test_retrieval_vote_gives_the_other_heads_that_share_of_their_anchors_by_the_vote():
-    x = _layer([1.0, 0.0], budget=0.2)
-    knobs = dict(entropy_allocation=False, anchor_share=1.0, score="surprisal", window=8, sinks=2)
-    m = make_method("summary", retrieval_score=0.5, retrieval_vote=0.5, **knobs)
-    state = m.compress(x, m.plan([x], 0.2))
-    n0, n1 = state.lengths()
-    plain = make_method("summary", **knobs)
-    info, votes = scores.information(x, "surprisal", plain.span), window_votes(x)
-    ranked = {v: plain._head(x, 1, n1 * x.entry_bytes(), info, votes, vote=v)[0][0] for v in (0.0, 0.5, 1.0)}
-    assert torch.equal(state.keys[n0:n0 + n1].float(), ranked[0.5])  # half by the vote, half by the score
-    assert not torch.equal(ranked[0.5], ranked[0.0]) and not torch.equal(ranked[0.5], ranked[1.0])
-    (k0, _), _, _ = plain._head(x, 0, n0 * x.entry_bytes(), info, votes)
-    assert torch.equal(state.keys[:n0].float(), k0)  # the retrieval head: the score alone (attention_share=0)
-    with pytest.raises(KVSumError, match="retrieval_vote"):
-        make_method("summary", retrieval_score=0.5, retrieval_vote=1.5, **knobs)
