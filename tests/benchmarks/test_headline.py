@@ -48,6 +48,21 @@ def test_long_column_prefers_the_first_source_and_matches_what_summary_chose(tmp
     assert _long(table[2]) == "16k: 50 (100), n = 2" and table[2]["long"]["source"] == "long/long_suite.json"
 
 
+def test_long_column_takes_each_length_from_the_first_source_that_ran_it_there(tmp_path):
+    sources = {"long_flagship_16k": [_row("full", 1.0, 16384, "niah_single", 90.0, n=10),
+                                     _row("snapkv", 0.1, 16384, "niah_single", 80.0, n=10)],
+               "long_flagship_32k": [_row("full", 1.0, 32768, "niah_single", 50.0, n=6),
+                                     _row("snapkv", 0.1, 32768, "niah_single", 40.0, n=6),
+                                     _row("snapkv", 0.1, 16384, "niah_single", 0.0, n=6)]}  # 16k: the first's
+    (tmp_path / "long").mkdir()
+    for name, rows in sources.items():
+        (tmp_path / "long" / f"{name}.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    table = [dict(family="eviction", method="snapkv", knobs={}, budget=0.1)]
+    long_cells(tmp_path, table)
+    assert _long(table[0]) == "16k: 80 (100), n = 10; 32k: 40 (100), n = 6"
+    assert table[0]["long"]["source"] == "long/long_flagship_16k.json, long/long_flagship_32k.json"
+
+
 def test_summary_by_budget_rows_are_the_flagship_and_bare_old_rows_its_own_defaults(tmp_path):
     """A `summary` row that records what it became (`chosen`) is the flagship; a bare one without (committed before
     summary was configured by budget) is summary's own defaults; refusals never enter the table."""
