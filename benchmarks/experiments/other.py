@@ -222,6 +222,12 @@ EXPERIMENTS = [
                methods=("summary", "snapkv", "turboquant", "echokv", spec("snapkv+turboquant", key_shift=1),
                         spec("snapkv+turboquant", (0.05, 0.1), **SNAPKV_HADAMARD)),
                args=("--n-lm", "8", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
+    Experiment("frontier_gemma", "frontier", "frontier", "the flagship on Gemma 3 270M at 2k (sliding-window layers "
+               "kept as transformers keeps them, the budget on its three global layers of one KV head of dim 256) "
+               "at 0.25 / 0.10 / 0.05, SnapKV and SnapKV's selection as codes beside, test seeds",
+               lengths=(2048,), n=10, threads=1,
+               methods=("summary", "snapkv", spec("snapkv+turboquant", (0.05, 0.1, 0.25), **SNAPKV_HADAMARD)),
+               args=("--model", "gemma3-270m", "--n-lm", "4", "--budgets", "0.05", "0.1", "0.25", "--seed", "0")),
     Experiment("frontier_cover_pre_rope_dev", "frontier", "frontier", "the flagship at 0.25 beside the same cover "
                "holding pca keys coded before RoPE (3.5 bits), 2k, dev seeds: whether the keys that copy values at 16k "
                "on Qwen pay on SmolLM2 at 2k", lengths=(2048,), n=50, threads=2,

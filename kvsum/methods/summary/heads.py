@@ -5,8 +5,8 @@ rest read what the continuation reads. With `retrieval_score` = s, the KV heads 
 top one, whatever its score) keep their anchors as summary scores them (whole sentences, with the configured share
 by the vote), each with `retrieval_weight` times another head's bytes in its layer (the sentence that holds the
 fact must be among the kept ones); every other head takes all its anchors by SnapKV's vote of the observation
-window (a share of them as summary scores them, whole sentences, answered more long values and cost the
-continuation more than SnapKV's selection as codes: docs/results/flagship.md). A threshold on the score, not a
+window (sentences there too answer more long values, but cost the continuation what the retrieval heads gained
+over SnapKV's selection as codes: docs/results/flagship.md). A threshold on the score, not a
 share of the heads: a KV head counts where some query head of its group copies, so a model with larger query
 groups (Qwen2.5's 7 to a KV head, SmolLM2's 3) has a larger share of such heads. Without scores (no tokenizer, or
 a model whose window cannot hold the probe) it refuses.
