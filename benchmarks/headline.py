@@ -166,7 +166,7 @@ def long_cells(results: Path, table: list[dict]) -> None:
     sources = [(src, json.loads((results / src).read_text())) for src in LONG_SOURCES if (results / src).exists()]
     for t in table:
         spec = spec_of(t["method"], t["knobs"])
-        cells, used = {}, []
+        cells, used = {}, {}  # used: the sources taken, in order
         for src, data in sources:
             rows = data["rows"]
             if t.get("chosen") and t["budget"] < COVER_FROM:  # below the cover the rule's rows are the same on
@@ -180,7 +180,7 @@ def long_cells(results: Path, table: list[dict]) -> None:
                     n = sum(r["n"] for r in rs)
                     cells[str(L)] = dict(value=sum(r["score"] * r["n"] for r in rs) / n, n=n, budget=rs[0]["budget"],
                                          full=sum(r["full_score"] * r["n"] for r in rs) / n, ratio=rs[0]["ratio"])
-                    used += [src] if src not in used else []
+                    used[src] = None
         t["long"] = dict(cells, source=", ".join(used)) if cells else None
 
 
