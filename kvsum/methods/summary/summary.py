@@ -216,9 +216,10 @@ class Summary(Method):
         diffuse = planned.diffuse[x.layer_idx] if planned.diffuse is not None and self.entropy_allocation else None
         retrieval = planned.retrieval[x.layer_idx] if planned.retrieval is not None else None
         per_head = heads.head_bytes(left, x.H, diffuse, retrieval, self.retrieval_weight)
-        info = scores.information(x, self.score, self.span)  # the same for every head: computed once per layer
         shares = heads.vote_shares(retrieval, x.H, self.attention_share)
-        votes = window_votes(x) if any(shares) else None  # only where some head takes anchors by the vote
+        # each only where some head reads it: the score's ranking (the same for every head) and the window's vote
+        info = scores.information(x, self.score, self.span) if min(shares) < 1 else None
+        votes = window_votes(x) if any(shares) else None
         kept = [self._head(x, h, per_head[h], info, votes, cover is not None, shares[h]) for h in range(x.H)]
         if cover is not None:  # anchors exact, every other token in the cover
             exclude = torch.zeros(x.H, x.T, dtype=torch.bool, device=x.keys.device)
