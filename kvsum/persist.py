@@ -1,13 +1,14 @@
 """Saved caches: a `kvsum.Cache` as one safetensors file (never pickle) and back, in this process or another.
 
 The file holds every tensor the cache holds, as it holds it (packed codes stay packed, so the file is about
-`cache.nbytes()`), and in its metadata two JSON documents: a header (format version, the model's fingerprint,
-the method and its knobs, the budget, the token count, a SHA-256 of everything else) and the object graph that
-ties the tensors together (the cache, its layers, their states and decoding-time streams, as kvsum's own
-classes and their attributes; a class's `transient` attributes, per-process tables, are left out and its
-`restore()` resolves them on load). Loading rebuilds only classes defined in kvsum, by module and name, and only
-after the checksum, the format version and the model's fingerprint all match; a truncated, altered or foreign
-file is one KVSumError and nothing is built.
+`cache.nbytes()`), and in its metadata one JSON document (one entry: safetensors writes several in an order that
+varies from save to save, and the same cache must give the same bytes, for stores keyed by content): a header
+(format version, the model's fingerprint, the method and its knobs, the budget, the token count, a SHA-256 of
+everything else) and, under "graph", the object graph that ties the tensors together (the cache, its layers, their
+states and decoding-time streams, as kvsum's own classes and their attributes; a class's `transient` attributes,
+per-process tables, are left out and its `restore()` resolves them on load). Loading rebuilds only classes defined
+in kvsum, by module and name, and only after the checksum, the format version and the model's fingerprint all
+match; a truncated, altered or foreign file is one KVSumError and nothing is built.
 
 `fork(obj)` copies such a graph sharing every tensor: kvsum never writes into a tensor it holds (a new token
 replaces a layer's tensors, it does not write into them), so a fork costs Python objects, not bytes.
@@ -32,7 +33,7 @@ from .errors import KVSumError
 from .shape import fingerprint as model_fingerprint
 from .spec import format_value
 
-FORMAT = 1  # the file layout this kvsum writes and reads
+FORMAT = 2  # the file layout this kvsum writes; it reads 1 too (the graph in a second metadata entry)
 SUFFIX = ".kvsum"
 
 
@@ -115,7 +116,7 @@ def to_bytes(cache) -> bytes:
                   spec=format_value(config) if config is not None else cache.method, budget=cache.budget,
                   tokens=cache.get_seq_length(), batch=cache.batch_size, nbytes=cache.nbytes())
     header["sha256"] = _digest(header, graph, enc.tensors)
-    return st_save(enc.tensors, metadata={"kvsum": json.dumps(header), "graph": graph})
+    return st_save(enc.tensors, metadata={"kvsum": json.dumps({**header, "graph": graph})})
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> Path:
@@ -140,24 +141,26 @@ def save(cache, path: str | os.PathLike) -> Path:
     return write_atomic(path, to_bytes(cache))
 
 
-def _metadata(data: bytes) -> dict[str, str]:
-    """The safetensors metadata of a file's bytes, or a KVSumError saying the file is not a kvsum cache."""
+def _metadata(data: bytes) -> tuple[dict, str]:
+    """(header, graph) of a file's bytes, or a KVSumError saying the file is not a kvsum cache."""
     try:
         n = int.from_bytes(data[:8], "little")
         if len(data) < 8 or n > len(data) - 8:
             raise ValueError("truncated header")
         meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        header = json.loads(meta.get("kvsum", "{}"))
     except (ValueError, UnicodeDecodeError) as e:
         raise KVSumError(f"not a kvsum cache file, or a truncated one ({e})") from None
-    if "kvsum" not in meta or "graph" not in meta:
+    graph = header.pop("graph", meta.get("graph"))  # format 1 kept it in a metadata entry of its own
+    if not isinstance(graph, str):
         raise KVSumError("not a kvsum cache file: its safetensors metadata has no kvsum header")
-    return meta
+    return header, graph
 
 
 def read_header(source: str | os.PathLike | bytes) -> dict:
     """The header of a saved cache (format, fingerprint, method, spec, budget, tokens, nbytes, sha256)."""
     data = source if isinstance(source, bytes | bytearray) else _read(source)
-    return json.loads(_metadata(data)["kvsum"])
+    return _metadata(data)[0]
 
 
 def _read(path) -> bytes:
@@ -220,16 +223,15 @@ def from_bytes(data: bytes, model=None, *, fingerprint: dict | None = None, devi
 
     Without a model (a KV store's pages have none), give the `fingerprint` the bytes must carry and the `device`
     to load onto (default cpu); with neither model nor fingerprint, only the format and checksum are checked."""
-    meta = _metadata(bytes(data))
-    header = json.loads(meta["kvsum"])
-    if header.get("format") != FORMAT:
+    header, graph = _metadata(bytes(data))
+    if header.get("format") not in (1, FORMAT):
         raise KVSumError(f"a kvsum cache file of format version {header.get('format')!r}; this kvsum "
-                         f"({__version__}) reads version {FORMAT}")
+                         f"({__version__}) reads versions 1 to {FORMAT}")
     try:
         tensors = st_load(bytes(data))
     except Exception as e:  # safetensors raises its own error types on a truncated or malformed file
         raise KVSumError(f"a truncated or corrupt kvsum cache file ({e})") from None
-    if _digest(header, meta["graph"], tensors) != header.get("sha256"):
+    if _digest(header, graph, tensors) != header.get("sha256"):
         raise KVSumError("the kvsum cache file was altered or corrupted: its checksum does not match its contents")
     if model is not None:
         fingerprint, device = model_fingerprint(model), next(model.parameters()).device
@@ -237,7 +239,7 @@ def from_bytes(data: bytes, model=None, *, fingerprint: dict | None = None, devi
         raise KVSumError(f"this cache was saved for another model ({header.get('fingerprint')}); the model given "
                          f"is {fingerprint}")
     device = torch.device(device if device is not None else "cpu")
-    cache = _decode(json.loads(meta["graph"]), {k: t.to(device) for k, t in tensors.items()}, device)
+    cache = _decode(json.loads(graph), {k: t.to(device) for k, t in tensors.items()}, device)
     if type(cache).__name__ != "Cache" or type(cache).__module__ != "kvsum.cache":
         raise KVSumError(f"a kvsum cache file whose root is a {type(cache).__qualname__}, not a kvsum.Cache")
     return cache
