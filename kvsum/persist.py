@@ -148,10 +148,10 @@ def _metadata(data: bytes) -> tuple[dict, str]:
         if len(data) < 8 or n > len(data) - 8:
             raise ValueError("truncated header")
         meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
-        header = json.loads(meta.get("kvsum", "{}"))
+        header = json.loads(meta.get("kvsum", "null"))
     except (ValueError, UnicodeDecodeError) as e:
         raise KVSumError(f"not a kvsum cache file, or a truncated one ({e})") from None
-    graph = header.pop("graph", meta.get("graph"))  # format 1 kept it in a metadata entry of its own
+    graph = header.pop("graph", meta.get("graph")) if isinstance(header, dict) else None  # format 1: its own entry
     if not isinstance(graph, str):
         raise KVSumError("not a kvsum cache file: its safetensors metadata has no kvsum header")
     return header, graph

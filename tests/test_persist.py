@@ -103,6 +103,11 @@ def test_bad_files_are_one_clear_error_each(tiny, ids, tmp_path):
         from_bytes(data[: len(data) // 2], tiny)
     with pytest.raises(kvsum.KVSumError, match="not a kvsum cache"):
         from_bytes(b"\x00" * 64, tiny)
+    from safetensors.torch import save
+
+    for meta in ({"kvsum": "[1, 2]"}, {"graph": "{}"}):  # a foreign safetensors file
+        with pytest.raises(kvsum.KVSumError, match="not a kvsum cache"):
+            from_bytes(save({"a": torch.zeros(1)}, metadata=meta), tiny)
     with pytest.raises(kvsum.KVSumError, match="another model"):
         from_bytes(data, tiny_llama(seed=1))
     with pytest.raises(kvsum.KVSumError, match="cannot read"):
