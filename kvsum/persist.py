@@ -35,6 +35,7 @@ from .spec import format_value
 
 FORMAT = 2  # the file layout this kvsum writes; it reads 1 too (the graph in a second metadata entry)
 SUFFIX = ".kvsum"
+GRAPH_SEPARATORS = (",", ":")  # the graph's text, as digested: written once, rebuilt the same from its JSON
 
 
 class _Encoder:
@@ -110,13 +111,14 @@ def to_bytes(cache) -> bytes:
                          "kvsum.compress_prefill, which record the model's fingerprint)")
     enc = _Encoder()
     root = enc.node(cache, "cache")
-    graph = json.dumps({"root": root, "objects": enc.objects}, separators=(",", ":"))
+    tree = {"root": root, "objects": enc.objects}
+    graph = json.dumps(tree, separators=GRAPH_SEPARATORS)
     config = getattr(cache, "config", None)
     header = dict(format=FORMAT, kvsum=__version__, fingerprint=cache.fingerprint, method=cache.method,
                   spec=format_value(config) if config is not None else cache.method, budget=cache.budget,
                   tokens=cache.get_seq_length(), batch=cache.batch_size, nbytes=cache.nbytes())
     header["sha256"] = _digest(header, graph, enc.tensors)
-    return st_save(enc.tensors, metadata={"kvsum": json.dumps({**header, "graph": graph})})
+    return st_save(enc.tensors, metadata={"kvsum": json.dumps({**header, "graph": tree})})
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> Path:
@@ -152,6 +154,8 @@ def _metadata(data: bytes) -> tuple[dict, str]:
     except (ValueError, UnicodeDecodeError) as e:
         raise KVSumError(f"not a kvsum cache file, or a truncated one ({e})") from None
     graph = header.pop("graph", meta.get("graph")) if isinstance(header, dict) else None  # format 1: its own entry
+    if isinstance(graph, dict):  # an object inside the header, not a string: its quotes are not escaped twice
+        graph = json.dumps(graph, separators=GRAPH_SEPARATORS)
     if not isinstance(graph, str):
         raise KVSumError("not a kvsum cache file: its safetensors metadata has no kvsum header")
     return header, graph
