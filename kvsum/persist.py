@@ -35,7 +35,7 @@ from .spec import format_value
 
 FORMAT = 2  # the file layout this kvsum writes; it reads 1 too (the graph in a second metadata entry)
 SUFFIX = ".kvsum"
-GRAPH_SEPARATORS = (",", ":")  # the graph's text, as digested: written once, rebuilt the same from its JSON
+GRAPH_SEPARATORS = (",", ":")  # the graph's text as digested (format 1 wrote it so; format 2 rebuilds it so)
 
 
 class _Encoder:
@@ -143,20 +143,20 @@ def save(cache, path: str | os.PathLike) -> Path:
     return write_atomic(path, to_bytes(cache))
 
 
-def _metadata(data: bytes) -> tuple[dict, str]:
-    """(header, graph) of a file's bytes, or a KVSumError saying the file is not a kvsum cache."""
+def _metadata(data: bytes) -> tuple[dict, dict]:
+    """(header, object graph) of a file's bytes, or a KVSumError saying the file is not a kvsum cache."""
     try:
         n = int.from_bytes(data[:8], "little")
         if len(data) < 8 or n > len(data) - 8:
             raise ValueError("truncated header")
         meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
         header = json.loads(meta.get("kvsum", "null"))
+        header = header if isinstance(header, dict) else {}
+        # format 2: an object inside the header (as a string its quotes were escaped twice); 1: an entry of its own
+        graph = header.pop("graph", None) or json.loads(meta.get("graph", "null"))
     except (ValueError, UnicodeDecodeError) as e:
         raise KVSumError(f"not a kvsum cache file, or a truncated one ({e})") from None
-    graph = header.pop("graph", meta.get("graph")) if isinstance(header, dict) else None  # format 1: its own entry
-    if isinstance(graph, dict):  # an object inside the header, not a string: its quotes are not escaped twice
-        graph = json.dumps(graph, separators=GRAPH_SEPARATORS)
-    if not isinstance(graph, str):
+    if not header or not isinstance(graph, dict):
         raise KVSumError("not a kvsum cache file: its safetensors metadata has no kvsum header")
     return header, graph
 
@@ -235,7 +235,7 @@ def from_bytes(data: bytes, model=None, *, fingerprint: dict | None = None, devi
         tensors = st_load(bytes(data))
     except Exception as e:  # safetensors raises its own error types on a truncated or malformed file
         raise KVSumError(f"a truncated or corrupt kvsum cache file ({e})") from None
-    if _digest(header, graph, tensors) != header.get("sha256"):
+    if _digest(header, json.dumps(graph, separators=GRAPH_SEPARATORS), tensors) != header.get("sha256"):
         raise KVSumError("the kvsum cache file was altered or corrupted: its checksum does not match its contents")
     if model is not None:
         fingerprint, device = model_fingerprint(model), next(model.parameters()).device
@@ -243,7 +243,7 @@ def from_bytes(data: bytes, model=None, *, fingerprint: dict | None = None, devi
         raise KVSumError(f"this cache was saved for another model ({header.get('fingerprint')}); the model given "
                          f"is {fingerprint}")
     device = torch.device(device if device is not None else "cpu")
-    cache = _decode(json.loads(graph), {k: t.to(device) for k, t in tensors.items()}, device)
+    cache = _decode(graph, {k: t.to(device) for k, t in tensors.items()}, device)
     if type(cache).__name__ != "Cache" or type(cache).__module__ != "kvsum.cache":
         raise KVSumError(f"a kvsum cache file whose root is a {type(cache).__qualname__}, not a kvsum.Cache")
     return cache
